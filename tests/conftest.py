@@ -1,0 +1,33 @@
+"""Test set-up: Triton's interpreter on CPU-only machines, the repository root on sys.path, the gpu marker."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
+
+# Before any test module imports triton: on a machine without a GPU, kernels run in the interpreter.
+enable_interpreter_if_no_gpu()
+
+import torch  # noqa: E402
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a GPU (CUDA or ROCm); none found")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device():
+    """The device kernel tests run on: the GPU when there is one, else the CPU (Triton interpreter)."""
+    return torch.device("cuda" if HAS_GPU else "cpu")

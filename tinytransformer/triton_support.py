@@ -1,0 +1,51 @@
+"""Triton set-up shared by the Triton versions (v3, v4).
+
+Triton compiles kernels for a GPU. On a machine without one, Triton's interpreter runs the same kernels on
+the CPU (slowly, but with the same semantics), which is how laptops and CI test them. The interpreter is
+chosen by the environment variable TRITON_INTERPRET=1, read when `triton` is first imported, so
+`enable_interpreter_if_no_gpu()` must run before any `import triton`.
+"""
+import os
+import sys
+
+import torch
+
+
+def enable_interpreter_if_no_gpu(verbose: bool = False) -> bool:
+    """Turn on Triton's CPU interpreter when no GPU is present. Returns True when the interpreter is on."""
+    if torch.cuda.is_available():
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before the interpreter could be enabled; "
+                           "call enable_interpreter_if_no_gpu() before importing triton")
+    os.environ["TRITON_INTERPRET"] = "1"
+    if verbose:
+        print("No GPU found: running Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1); "
+              "correct but slow.")
+    return True
+
+
+def interpreter_active() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def is_rocm() -> bool:
+    """True on AMD GPUs: PyTorch's ROCm build reports a HIP version and still uses the torch.cuda API."""
+    return torch.version.hip is not None
+
+
+def threads_per_warp() -> int:
+    """Threads that execute in lock-step: a warp (32) on NVIDIA, a wavefront (64) on AMD CDNA GPUs.
+
+    Triton's `num_warps` counts these units, so the same num_warps means twice the threads on AMD.
+    """
+    return 64 if is_rocm() else 32
+
+
+def num_warps_for(block_elements: int, max_warps: int = 16) -> int:
+    """A num_warps that gives each thread a few elements of a block of `block_elements` elements."""
+    elements_per_thread = 8
+    warps = max(1, block_elements // (elements_per_thread * threads_per_warp()))
+    # Powers of two only: Triton requires it.
+    warps = 1 << (warps.bit_length() - 1)
+    return min(warps, max_warps)

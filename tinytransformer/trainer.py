@@ -1,0 +1,420 @@
+"""The training loop every version shares: data, optimizer, mixed precision, honest timing, metrics.
+
+Timing. GPU work is asynchronous: a Python timer around `loss.backward()` measures how long it took to
+*queue* the work, not to do it. Each step is therefore bracketed by device events (on the CPU, which is
+synchronous, by a host clock). Events are read only at log points, so timing adds no synchronisation to
+the loop. The first --warmup-steps steps (allocator growth, cuBLAS/Triton compilation, torch.compile) are
+excluded, and the summary reports the MEDIAN step time with its spread.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import flops as flops_mod
+from .config import ConfigError, ModelConfig, TrainConfig
+from .data import BatchStream, build_corpora
+from .device import describe, peak_memory_mb, peak_tflops, reset_peak_memory, resolve_device, synchronize
+from .profiling import DeepSpeedFlopsSession, PyTorchProfilerSession, profile_range
+from .weights import init_canonical_weights, parameter_count
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------------------
+class StepTimer:
+    """Times regions with device events on a GPU, with the host clock on the CPU. Read lazily with collect()."""
+
+    def __init__(self, device: torch.device):
+        self.on_gpu = device.type == "cuda"
+        self.pending: list[tuple] = []
+
+    def mark(self):
+        """A point in time: an event queued on the GPU stream, or the host clock on the CPU."""
+        if self.on_gpu:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add(self, marks: tuple) -> None:
+        self.pending.append(marks)
+
+    def collect(self) -> list[list[float]]:
+        """Milliseconds between consecutive marks of each pending region (synchronises once)."""
+        if self.on_gpu and self.pending:
+            self.pending[-1][-1].synchronize()
+        out = []
+        for marks in self.pending:
+            if self.on_gpu:
+                out.append([a.elapsed_time(b) for a, b in zip(marks, marks[1:])])
+            else:
+                out.append([(b - a) * 1e3 for a, b in zip(marks, marks[1:])])
+        self.pending.clear()
+        return out
+
+
+def summarize_times(ms: list[float]) -> dict:
+    if not ms:
+        return {"median_ms": None, "p10_ms": None, "p90_ms": None, "count": 0}
+    ordered = sorted(ms)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"median_ms": statistics.median(ordered), "p10_ms": pick(0.1), "p90_ms": pick(0.9),
+            "count": len(ordered)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One training step
+# ----------------------------------------------------------------------------------------------------------
+def autocast_context(device: torch.device, train: TrainConfig):
+    if not train.use_amp:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, train.amp_dtype))
+
+
+def default_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; a version may provide `model.configure_optimizer(train)` instead (v4 uses the fused one)."""
+    if hasattr(model, "configure_optimizer"):
+        return model.configure_optimizer(train)
+    return torch.optim.AdamW(model.parameters(), lr=train.learning_rate, betas=(0.9, 0.95),
+                             weight_decay=train.weight_decay)
+
+
+class EagerStep:
+    """forward -> backward -> optimizer, as written. Returns the (detached, unsynchronised) loss."""
+
+    supports_breakdown = True
+
+    def __init__(self, model, optimizer, device, train: TrainConfig, timer: StepTimer | None = None):
+        self.model, self.optimizer, self.device, self.train = model, optimizer, device, train
+        self.scaler = None
+        if train.use_amp and train.amp_dtype == "float16":
+            # float16 has a narrow exponent range: scale the loss so small gradients do not flush to zero.
+            self.scaler = torch.amp.GradScaler(device.type)
+        self.phase_timer = timer   # set for --timing-breakdown: adds marks between the phases
+
+    def __call__(self, inputs, targets):
+        marks = [self.phase_timer.mark()] if self.phase_timer else None
+        self.optimizer.zero_grad(set_to_none=True)
+        with profile_range("forward"), autocast_context(self.device, self.train):
+            _, loss = self.model(inputs, targets)
+        if marks is not None:
+            marks.append(self.phase_timer.mark())
+        with profile_range("backward"):
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        if marks is not None:
+            marks.append(self.phase_timer.mark())
+        with profile_range("optimizer"):
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        if marks is not None:
+            marks.append(self.phase_timer.mark())
+            self.phase_timer.add(tuple(marks))
+        return loss.detach()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    metrics: dict
+    losses: list[float] = field(default_factory=list)
+
+
+def profiler_window(num_steps: int, warmup_steps: int, profile_steps: int) -> tuple[int, int, int, int]:
+    """(first step, wait, warm-up, active) of the PyTorch profiler: right after the timing warm-up if the run
+    is long enough, else as late as possible; shrunk to fit very short runs."""
+    active = min(profile_steps, num_steps)
+    room = num_steps - active
+    wait, warm = (1 if room >= 2 else 0), (1 if room >= 1 else 0)
+    first = max(0, min(warmup_steps, num_steps - (wait + warm + active)))
+    return first, wait, warm, active
+
+
+class Trainer:
+    def __init__(self, spec, model_config: ModelConfig, train: TrainConfig, args, out=sys.stdout):
+        self.spec, self.model_config, self.train, self.args, self.out = spec, model_config, train, args, out
+        self.device = resolve_device(train.device)
+        if train.use_amp and self.device.type == "cpu" and train.amp_dtype == "float16":
+            raise ConfigError("--use-amp with --amp-dtype float16 is not supported on the CPU; "
+                              "use --amp-dtype bfloat16 or a GPU")
+        if spec.check_arguments:
+            spec.check_arguments(args, self.device)
+
+    def log(self, text: str = "") -> None:
+        print(text, file=self.out, flush=True)
+
+    # -- set-up --------------------------------------------------------------------------------------------
+    def build(self) -> None:
+        cfg, train = self.model_config, self.train
+        torch.manual_seed(train.seed)
+        self.model = self.spec.build_model(cfg, self.args)
+        self.model.load_canonical(init_canonical_weights(cfg, train.seed))
+        self.model.to(self.device)
+        self.optimizer = default_optimizer(self.model, train)
+        train_corpus, _ = build_corpora(train.data, cfg.vocab_size, train.seq_len, train.seed, self.device)
+        self.corpus = train_corpus
+        self.stream = BatchStream(train_corpus, train.seq_len, train.batch_size, train.seed)
+        self.phase_timer = StepTimer(self.device) if train.timing_breakdown else None
+        if self.spec.make_step is not None:
+            self.step_fn = self.spec.make_step(self.model, self.optimizer, self.device, train, self.args)
+        else:
+            self.step_fn = EagerStep(self.model, self.optimizer, self.device, train, self.phase_timer)
+        if train.timing_breakdown and not getattr(self.step_fn, "supports_breakdown", False):
+            self.log("note: --timing-breakdown is not available for this step implementation; ignored")
+            self.phase_timer = None
+
+    def print_header(self) -> None:
+        info = describe(self.device)
+        cfg, train = self.model_config, self.train
+        self.log(f"=== TinyLlama {self.spec.name}: {self.spec.title} ===")
+        self.log(f"device      : {info.name} ({info.backend}), torch {info.torch_version}")
+        self.log(f"model       : vocab {cfg.vocab_size}, hidden {cfg.hidden_dim}, layers {cfg.num_layers}, "
+                 f"heads {cfg.num_heads} (head dim {cfg.head_dim}), ffn {cfg.intermediate_size}, "
+                 f"max seq {cfg.max_seq_len}; {parameter_count(cfg):,} parameters")
+        precision = f"AMP {train.amp_dtype}" if train.use_amp else "float32"
+        self.log(f"training    : batch {train.batch_size} x seq {train.seq_len}, {train.num_steps} steps "
+                 f"({train.warmup_steps} warm-up), lr {train.learning_rate}, {precision}, seed {train.seed}")
+        for key, value in self.variant_description().items():
+            self.log(f"{key:<12}: {value}")
+        self.log(f"data        : {self.corpus.description}")
+        if self.corpus.optimum_loss is not None:
+            self.log(f"optimum loss: {self.corpus.optimum_loss:.4f} nats (start ~ ln {cfg.vocab_size} = "
+                     f"{math.log(cfg.vocab_size):.4f})")
+
+    def variant_description(self) -> dict:
+        return self.spec.describe(self.args) if self.spec.describe else {}
+
+    # -- the loop --------------------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        self.build()
+        self.print_header()
+        train = self.train
+        timer = StepTimer(self.device)
+        losses = torch.full((train.num_steps,), float("nan"), device=self.device)
+        step_ms: dict[int, float] = {}
+        excluded: set[int] = set(range(train.warmup_steps))
+        profiler, profile_first = self.make_profiler(excluded)
+        writer = self.make_tensorboard_writer()
+        reset_peak_memory(self.device)
+        interval_start = 0
+        run_started = time.perf_counter()
+
+        for step in range(train.num_steps):
+            if profiler is not None and step == profile_first:
+                profiler.start()
+            inputs, targets = self.stream.batch(step)
+            start = timer.mark()
+            loss = self.step_fn(inputs, targets)
+            timer.add((start, timer.mark()))
+            losses[step] = loss
+            if profiler is not None and profile_first <= step and profiler.steps_done < profiler.total_steps:
+                if profiler.step():
+                    self.finish_profile(profiler)
+            if (step + 1) % train.log_every == 0 or step == 0 or step + 1 == train.num_steps:
+                for offset, (ms,) in enumerate(timer.collect()):
+                    step_ms[interval_start + offset] = ms
+                interval_start = step + 1
+                self.log_step(step, losses, step_ms, writer)
+        if profiler is not None and profiler.steps_done < profiler.total_steps:
+            profiler.stop()
+            self.finish_profile(profiler)
+        synchronize(self.device)
+        wall_seconds = time.perf_counter() - run_started
+
+        loss_values = losses.tolist()
+        if not all(math.isfinite(v) for v in loss_values):
+            first_bad = next(i for i, v in enumerate(loss_values) if not math.isfinite(v))
+            self.log(f"warning: the loss became non-finite at step {first_bad} (diverged)")
+        timed = [ms for s, ms in sorted(step_ms.items()) if s not in excluded]
+        note = None
+        if not timed:  # a very short run: everything was warm-up or profiled; time it anyway, and say so
+            timed = [ms for s, ms in sorted(step_ms.items()) if s >= min(train.warmup_steps, train.num_steps - 1)]
+            note = "every step was warm-up or profiled; the times include that overhead"
+        metrics = self.build_metrics(loss_values, timed, wall_seconds, note)
+        if self.phase_timer is not None:
+            metrics["timing_breakdown"] = self.phase_breakdown()
+        if train.enable_deepspeed_flops:
+            metrics["deepspeed_flops"] = self.run_deepspeed_flops()
+        if self.profile_result:
+            metrics["profile"] = self.profile_result
+        self.print_summary(metrics)
+        if writer is not None:
+            writer.close()
+        if train.output_json:
+            write_json(train.output_json, metrics)
+            self.log(f"metrics JSON: {train.output_json}")
+        return RunResult(metrics, loss_values)
+
+    def log_step(self, step, losses, step_ms, writer) -> None:
+        value = losses[step].item()
+        recent = [ms for s, ms in step_ms.items() if s > step - self.train.log_every and s <= step]
+        ms = statistics.median(recent) if recent else float("nan")
+        samples_per_s = self.train.batch_size / (ms / 1e3) if ms > 0 else float("nan")
+        self.log(f"step {step + 1:>6}/{self.train.num_steps} | loss {value:.4f} | "
+                 f"{samples_per_s:10.1f} samples/s | {ms:8.2f} ms/step")
+        if writer is not None:
+            writer.add_scalar("train/loss", value, step + 1)
+            writer.add_scalar("train/samples_per_s", samples_per_s, step + 1)
+
+    # -- optional tools ---------------------------------------------------------------------------------------
+    def make_profiler(self, excluded: set[int]):
+        self.profile_result = None
+        if not self.train.enable_pytorch_profiler:
+            return None, -1
+        first, wait, warm, active = profiler_window(self.train.num_steps, self.train.warmup_steps,
+                                                    self.train.profile_steps)
+        excluded.update(range(first, first + wait + warm + active))  # profiler overhead stays out of timing
+        session = PyTorchProfilerSession(self.train.profile_dir, self.spec.name, active, self.device,
+                                         self.train.profile_memory, wait_steps=wait, warmup_steps=warm)
+        self.log(f"PyTorch profiler: steps {first + wait + warm + 1}..{first + wait + warm + active} recorded "
+                 f"into {session.dir}/ (these steps are excluded from the timing)")
+        return session, first
+
+    def finish_profile(self, session: PyTorchProfilerSession) -> None:
+        from . import reports
+        result = {"trace": str(session.trace_path), "active_steps": session.active_steps}
+        if not session.trace_path.exists():
+            self.log("note: the profiler recorded no active step; no trace written")
+            self.profile_result = result
+            return
+        memory_timeline = session.export_memory_timeline()
+        if memory_timeline:
+            result["memory_timeline"] = str(memory_timeline)
+        trace = reports.load_trace(session.trace_path)
+        result["kernels_per_step"] = reports.kernels_per_step(trace)
+        result["operators_per_step"] = reports.operators_per_step(trace)
+        written = reports.write_reports(trace, session.dir, sort_by=self.train.sort_by, limit=20)
+        result["reports"] = {k: str(v) for k, v in written.items()} if isinstance(written, dict) else written
+        if self.train.profile_operators:
+            self.log(f"--- top operators (sorted by {self.train.sort_by}) ---")
+            self.log(session.operator_table(self.train.sort_by, limit=15))
+        kps = result["kernels_per_step"]
+        self.log(f"profile: trace {session.trace_path}; "
+                 + (f"{kps:.0f} GPU kernels per training step" if kps is not None
+                    else f"{result['operators_per_step']:.0f} operators per training step (CPU)"))
+        self.profile_result = result
+
+    def make_tensorboard_writer(self):
+        if not self.train.tensorboard_dir:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except Exception:
+            self.log("note: TensorBoard is not installed (pip install tensorboard); --tensorboard-dir ignored")
+            return None
+        return SummaryWriter(self.train.tensorboard_dir)
+
+    def phase_breakdown(self) -> dict:
+        rows = self.phase_timer.collect()[self.train.warmup_steps:]
+        if not rows:
+            return {}
+        names = ("forward", "backward", "optimizer")
+        return {name: statistics.median(r[i] for r in rows) for i, name in enumerate(names)}
+
+    def run_deepspeed_flops(self) -> dict:
+        session = DeepSpeedFlopsSession(self.model)
+        analytic = flops_mod.forward_flops(self.model_config, self.train.batch_size, self.train.seq_len)
+        if not session.available:
+            self.log(f"note: {session.reason}")
+            return {"available": False, "reason": session.reason, "analytic_forward_flops": analytic}
+        inputs, targets = self.stream.batch(0)
+        self.log("--- DeepSpeed FLOPS profile (one forward pass) ---")
+        session.start()
+        with torch.no_grad(), autocast_context(self.device, self.train):
+            self.model(inputs, targets)
+        result = session.stop_and_report()
+        result.update(available=True, analytic_forward_flops=analytic)
+        return result
+
+    # -- the summary ------------------------------------------------------------------------------------------
+    def build_metrics(self, loss_values, timed_ms, wall_seconds, note) -> dict:
+        cfg, train = self.model_config, self.train
+        times = summarize_times(timed_ms)
+        median_s = times["median_ms"] / 1e3 if times["median_ms"] else None
+        samples_per_s = train.batch_size / median_s if median_s else None
+        info = describe(self.device)
+        precision = train.amp_dtype if train.use_amp else "float32"
+        peak = peak_tflops(info.name, precision) if self.device.type == "cuda" else None
+        finite = [v for v in loss_values if math.isfinite(v)]
+        return {
+            "schema_version": 1,
+            "version": self.spec.name,
+            "title": self.spec.title,
+            "variant": self.variant_description(),
+            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+            "model_config": asdict(cfg),
+            "parameters": parameter_count(cfg),
+            "train_config": {k: v for k, v in asdict(train).items() if k != "extra"},
+            "device": info.as_dict(),
+            "precision": precision,
+            "timing": {**times, "warmup_steps": train.warmup_steps, "wall_seconds": wall_seconds, "note": note},
+            "throughput": {
+                "samples_per_s": samples_per_s,
+                "tokens_per_s": samples_per_s * train.seq_len if samples_per_s else None,
+                "training_tflops_per_s": (flops_mod.training_flops(cfg, train.batch_size, train.seq_len)
+                                          / median_s / 1e12) if median_s else None,
+                "mfu": flops_mod.mfu(cfg, train.batch_size, train.seq_len, median_s, peak) if median_s else None,
+                "peak_tflops": peak,
+            },
+            "memory": {"peak_allocated_mib": peak_memory_mb(self.device)},
+            "loss": {
+                "first": loss_values[0] if loss_values else None,
+                "final": loss_values[-1] if loss_values else None,
+                "min": min(finite) if finite else None,
+                "optimum": self.corpus.optimum_loss,
+                "history": loss_values,
+            },
+            "kernels_per_step": None,
+        }
+
+    def print_summary(self, m: dict) -> None:
+        t, tp, loss = m["timing"], m["throughput"], m["loss"]
+        self.log(f"=== Summary ({self.spec.name}: {self.spec.title}) ===")
+        if t["median_ms"] is None:
+            self.log("no timed steps")
+            return
+        self.log(f"timed steps : {t['count']} (excluding {self.train.warmup_steps} warm-up"
+                 + (" and profiled" if self.train.enable_pytorch_profiler else "") + " steps)")
+        if t.get("note"):
+            self.log(f"note        : {t['note']}")
+        self.log(f"step time   : median {t['median_ms']:.2f} ms (p10 {t['p10_ms']:.2f}, p90 {t['p90_ms']:.2f})")
+        self.log(f"throughput  : {tp['samples_per_s']:.1f} samples/s, {tp['tokens_per_s']:,.0f} tokens/s, "
+                 f"{tp['training_tflops_per_s']:.2f} TFLOP/s")
+        if tp["mfu"] is not None:
+            self.log(f"MFU         : {100 * tp['mfu']:.1f}% of {tp['peak_tflops']:.0f} TFLOP/s "
+                     f"({m['precision']} peak of this device)")
+        elif m["device"]["type"] == "cuda":
+            self.log("MFU         : unknown (this device is not in the peak-FLOPs table)")
+        mem = m["memory"]["peak_allocated_mib"]
+        self.log(f"peak memory : {mem:.1f} MiB allocated" if mem is not None else "peak memory : n/a on CPU")
+        if m.get("timing_breakdown"):
+            b = m["timing_breakdown"]
+            self.log("breakdown   : " + ", ".join(f"{k} {v:.2f} ms" for k, v in b.items()))
+        line = f"loss        : first {loss['first']:.4f} -> final {loss['final']:.4f}"
+        if loss["optimum"] is not None:
+            line += f" (optimum {loss['optimum']:.4f}, gap {loss['final'] - loss['optimum']:.4f} nats)"
+        self.log(line)
+        profile = m.get("profile") or {}
+        if profile.get("kernels_per_step") is not None:
+            m["kernels_per_step"] = profile["kernels_per_step"]
+            self.log(f"kernels     : {profile['kernels_per_step']:.0f} GPU kernels per step (profiled)")
+
+
+def write_json(path: str, metrics: dict) -> None:
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(metrics, indent=2, default=str))

@@ -167,6 +167,10 @@ class TinyLlama(nn.Module):
     def canonical_state_dict(self):
         return {name: tensor.detach().clone() for name, tensor in self.state_dict().items()}
 
+    def to_canonical(self, tensors: dict) -> dict:
+        """Any per-parameter tensors of this model (weights, gradients) in the canonical layout."""
+        return dict(tensors)
+
 
 def main(argv=None):
     from tinytransformer.cli import VersionSpec, run

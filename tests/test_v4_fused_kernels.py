@@ -1,0 +1,371 @@
+"""Version 4's fused ops against float64 PyTorch references: forward and every gradient.
+
+- add_rmsnorm: residual + delta and RMSNorm in one kernel (and delta=None: plain RMSNorm).
+- linear_cross_entropy: output head + cross-entropy in chunks, the gradient computed during forward.
+
+Every buffer the wrappers allocate is filled with NaN first (the autouse fixture below), so an element a
+kernel forgets to write fails the test. On CPU the kernels run in Triton's interpreter: shapes are small;
+the full-size and bfloat16 cases are gpu-marked.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from version4_triton_ultra.kernels import add_rmsnorm as arn
+from version4_triton_ultra.kernels import linear_cross_entropy as lce
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+EPS = 1e-6
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every buffer the wrappers allocate starts as NaN. Returns the list of allocated shapes."""
+    allocated = []
+
+    def nan_filled(shape, dtype, device):
+        allocated.append(tuple(shape))
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(arn, "_new_output", nan_filled)
+    monkeypatch.setattr(lce, "_new_output", nan_filled)
+    return allocated
+
+
+def relative_error(out, ref):
+    """||out - ref|| / ||ref|| in float64; infinite when out holds a NaN or inf, so NaN never passes."""
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    assert torch.isfinite(ref).all(), "the reference itself is not finite"
+    if not torch.isfinite(out).all():
+        return math.inf
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def assert_matches(out, ref, dtype, what):
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    err = relative_error(out, ref)
+    assert err < TOLERANCE[dtype], f"{what}: relative error {err:.3g} >= {TOLERANCE[dtype]:g} ({dtype})"
+
+
+def random(shape, dtype, device, seed, scale=1.0):
+    """Fresh random values drawn on the CPU (the same on every machine), moved to the device."""
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype).to(device)
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def as_float64_leaf(t):
+    return t.detach().double().requires_grad_(True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# add_rms_norm
+# ----------------------------------------------------------------------------------------------------------
+def reference_add_rms_norm(residual, delta, weight, eps=EPS):
+    h = residual if delta is None else residual + delta
+    return h, weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def check_add_rms_norm(shape, dtype, device, seed, with_delta=True):
+    d = shape[-1]
+    residual = leaf(random(shape, dtype, device, seed))
+    delta = leaf(random(shape, dtype, device, seed + 1, scale=0.5)) if with_delta else None
+    weight = leaf(random((d,), torch.float32, device, seed + 2, scale=0.1) + 1.0)
+    grad_new_residual = random(shape, dtype, device, seed + 3)
+    grad_normed = random(shape, dtype, device, seed + 4)
+
+    new_residual, normed = arn.add_rms_norm(residual, delta, weight, EPS)
+    assert new_residual.dtype == normed.dtype == dtype
+    torch.autograd.backward([new_residual, normed], [grad_new_residual, grad_normed])
+
+    inputs64 = [as_float64_leaf(t) if t is not None else None for t in (residual, delta, weight)]
+    h64, normed64 = reference_add_rms_norm(*inputs64)
+    torch.autograd.backward([h64, normed64], [grad_new_residual.double(), grad_normed.double()])
+
+    assert_matches(new_residual, h64, dtype, "new_residual")
+    assert_matches(normed, normed64, dtype, "normed")
+    assert_matches(residual.grad, inputs64[0].grad, dtype, "grad residual")
+    if with_delta:
+        assert_matches(delta.grad, inputs64[1].grad, dtype, "grad delta")
+    assert_matches(weight.grad, inputs64[2].grad, dtype, "grad weight")
+    return new_residual, residual
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(7, 200), (16, 64), (1, 33), (3, 1000), (2, 5, 96)])
+def test_add_rms_norm_matches_float64(shape, dtype, device, poisoned_outputs):
+    check_add_rms_norm(shape, dtype, device, seed=sum(shape))
+    assert poisoned_outputs, "the wrapper did not allocate through the poisoning hook"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_without_delta_returns_its_input(dtype, device):
+    new_residual, residual = check_add_rms_norm((9, 200), dtype, device, seed=5, with_delta=False)
+    # No copy: the stream continues with the very same storage.
+    assert new_residual.data_ptr() == residual.data_ptr()
+
+
+def test_rms_norm_entry_point(device):
+    x, w = leaf(random((6, 80), torch.float32, device, 11)), leaf(random((80,), torch.float32, device, 12))
+    normed = arn.rms_norm(x, w, EPS)
+    normed.backward(random((6, 80), torch.float32, device, 13))
+    x64, w64 = as_float64_leaf(x), as_float64_leaf(w)
+    ref = reference_add_rms_norm(x64, None, w64)[1]
+    ref.backward(random((6, 80), torch.float64, device, 13))
+    assert_matches(normed, ref, torch.float32, "normed")
+    assert_matches(x.grad, x64.grad, torch.float32, "grad x")
+    assert_matches(w.grad, w64.grad, torch.float32, "grad weight")
+
+
+@pytest.mark.parametrize("used", ["normed only", "new_residual only"])
+def test_add_rms_norm_one_output_unused(used, device):
+    """Autograd passes None for an unused output; the other path alone must give the right gradients."""
+    shape, dtype = (10, 200), torch.float32
+    residual, delta = leaf(random(shape, dtype, device, 21)), leaf(random(shape, dtype, device, 22))
+    weight = leaf(random((200,), dtype, device, 23) + 1.0)
+    grad = random(shape, dtype, device, 24)
+    inputs64 = [as_float64_leaf(t) for t in (residual, delta, weight)]
+    outputs = arn.add_rms_norm(residual, delta, weight, EPS)
+    outputs64 = reference_add_rms_norm(*inputs64)
+    index = 1 if used == "normed only" else 0
+    outputs[index].backward(grad)
+    outputs64[index].backward(grad.double())
+    assert_matches(residual.grad, inputs64[0].grad, dtype, "grad residual")
+    assert_matches(delta.grad, inputs64[1].grad, dtype, "grad delta")
+    if used == "normed only":
+        assert_matches(weight.grad, inputs64[2].grad, dtype, "grad weight")
+    else:
+        assert weight.grad is None
+
+
+def test_add_rms_norm_mixed_dtypes_follow_type_promotion(device):
+    """A float32 stream plus a float16 sub-layer output gives a float32 stream; each grad keeps its dtype."""
+    shape = (8, 128)
+    residual = leaf(random(shape, torch.float32, device, 31))
+    delta = leaf(random(shape, torch.float16, device, 32))
+    weight = leaf(random((128,), torch.float32, device, 33) + 1.0)
+    new_residual, normed = arn.add_rms_norm(residual, delta, weight, EPS)
+    assert new_residual.dtype == normed.dtype == torch.float32
+    (new_residual.sum() + (normed * normed).sum()).backward()
+    assert residual.grad.dtype == torch.float32 and delta.grad.dtype == torch.float16
+    inputs64 = [as_float64_leaf(t) for t in (residual, delta, weight)]
+    h64, normed64 = reference_add_rms_norm(*inputs64)
+    (h64.sum() + (normed64 * normed64).sum()).backward()
+    assert_matches(normed, normed64, torch.float32, "normed")
+    assert_matches(residual.grad, inputs64[0].grad, torch.float32, "grad residual")
+    assert_matches(delta.grad, inputs64[1].grad, torch.float16, "grad delta")
+    assert_matches(weight.grad, inputs64[2].grad, torch.float32, "grad weight")
+
+
+def test_add_rms_norm_weight_grad_is_deterministic(device):
+    shape = (13, 200)
+    residual, delta = random(shape, torch.float32, device, 41), random(shape, torch.float32, device, 42)
+    grads = []
+    for _ in range(2):
+        weight = leaf(random((200,), torch.float32, device, 43))
+        arn.add_rms_norm(residual, delta, weight, EPS)[1].backward(random(shape, torch.float32, device, 44))
+        grads.append(weight.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_add_rms_norm_rejects_too_wide_rows(device):
+    x = torch.randn(1, arn.MAX_FEATURES + 1, device=device)
+    with pytest.raises(ValueError, match="MAX_FEATURES"):
+        arn.add_rms_norm(x, x, torch.ones(x.shape[-1], device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(2048, 4096), (1024, 8192), (333, 5000), (4, 128, 256)])
+def test_add_rms_norm_full_size_gpu(shape, dtype, device):
+    check_add_rms_norm(shape, dtype, device, seed=len(shape) + shape[-1])
+
+
+@pytest.mark.gpu
+def test_rms_norm_without_delta_bfloat16_gpu(device):
+    check_add_rms_norm((512, 2048), torch.bfloat16, device, seed=7, with_delta=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# linear_cross_entropy
+# ----------------------------------------------------------------------------------------------------------
+def make_head_inputs(n, d, v, dtype, device, seed, n_ignored=3, ignore_index=-100):
+    hidden = leaf(random((n, d), dtype, device, seed))
+    weight = leaf(random((v, d), torch.float32, device, seed + 1, scale=1.0 / math.sqrt(d) * 2))
+    g = torch.Generator().manual_seed(seed + 2)
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[torch.randperm(n, generator=g)[:n_ignored]] = ignore_index
+    return hidden, weight, targets.to(device)
+
+
+def reference_head(hidden, weight, targets, ignore_index=-100):
+    """Float64 loss and gradients (of hidden and weight) of F.cross_entropy(hidden @ weight.T, targets)."""
+    hidden64, weight64 = as_float64_leaf(hidden), as_float64_leaf(weight)
+    loss = F.cross_entropy(hidden64 @ weight64.T, targets, ignore_index=ignore_index)
+    loss.backward()
+    return loss, hidden64.grad, weight64.grad
+
+
+def check_head(n, d, v, dtype, device, seed, chunk_size=None, ignore_index=-100):
+    hidden, weight, targets = make_head_inputs(n, d, v, dtype, device, seed, ignore_index=ignore_index)
+    loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, ignore_index=ignore_index)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    loss.backward()
+    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets, ignore_index)
+    assert_matches(loss, ref_loss, dtype, "loss")
+    assert hidden.grad.dtype == dtype and weight.grad.dtype == torch.float32
+    assert_matches(hidden.grad, ref_grad_hidden, dtype, "grad hidden")
+    assert_matches(weight.grad, ref_grad_weight, dtype, "grad weight")
+    return loss, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n, d, v, chunk_size", [
+    (37, 48, 1000, None),   # one chunk
+    (37, 48, 1003, 8),      # odd V; 5 chunks, the last one of 5 rows
+    (20, 200, 257, 7),      # non-power-of-two D and V
+])
+def test_linear_cross_entropy_matches_float64(n, d, v, chunk_size, dtype, device, poisoned_outputs):
+    check_head(n, d, v, dtype, device, seed=n + d + v, chunk_size=chunk_size)
+    assert poisoned_outputs, "the wrapper did not allocate through the poisoning hook"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_linear_cross_entropy_several_chunks_equal_one_chunk(dtype, device):
+    n, d, v = 50, 40, 300
+    one = check_head(n, d, v, dtype, device, seed=51, chunk_size=n)
+    several = check_head(n, d, v, dtype, device, seed=51, chunk_size=16)  # 16 + 16 + 16 + 2 rows
+    # Per-row losses do not depend on the chunking. grad_weight sums per-chunk products in float32, and in
+    # float16 each chunk's product is rounded to float16 before it is added: close, not bit-equal.
+    torch.testing.assert_close(several[0], one[0], rtol=1e-6, atol=0)
+    agreement = 1e-6 if dtype == torch.float32 else 1e-3
+    assert relative_error(several[1], one[1]) < agreement, "grad hidden depends on the chunking"
+    assert relative_error(several[2], one[2]) < agreement, "grad weight depends on the chunking"
+
+
+def test_linear_cross_entropy_loops_over_vocab_blocks(monkeypatch, device):
+    """Force 8 blocks over V=1003 (the last one partial) to exercise the online max and sum."""
+    monkeypatch.setattr(lce, "MAX_BLOCK_V", 128)
+    check_head(21, 32, 1003, torch.float32, device, seed=61, chunk_size=8)
+
+
+def test_linear_cross_entropy_large_logits_are_stable(device):
+    """Logits in the hundreds: exp() would overflow without subtracting the running max."""
+    hidden, weight, targets = make_head_inputs(12, 16, 500, torch.float32, device, seed=71)
+    hidden = leaf(hidden * 100)
+    loss = lce.linear_cross_entropy(hidden, weight, targets)
+    loss.backward()
+    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
+    assert_matches(loss, ref_loss, torch.float32, "loss")
+    assert_matches(hidden.grad, ref_grad_hidden, torch.float32, "grad hidden")
+    assert_matches(weight.grad, ref_grad_weight, torch.float32, "grad weight")
+
+
+def test_linear_cross_entropy_custom_ignore_index_and_batched_shape(device):
+    b, t, d, v = 3, 7, 24, 130
+    hidden, weight, targets = make_head_inputs(b * t, d, v, torch.float32, device, seed=81, n_ignored=5,
+                                               ignore_index=0)
+    hidden3, targets2 = leaf(hidden.view(b, t, d)), targets.view(b, t)
+    loss = lce.linear_cross_entropy(hidden3, weight, targets2, chunk_size=5, ignore_index=0)
+    loss.backward()
+    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets, ignore_index=0)
+    assert_matches(loss, ref_loss, torch.float32, "loss")
+    assert_matches(hidden3.grad.view(b * t, d), ref_grad_hidden, torch.float32, "grad hidden")
+    assert_matches(weight.grad, ref_grad_weight, torch.float32, "grad weight")
+
+
+def test_linear_cross_entropy_scales_by_grad_output(device):
+    hidden, weight, targets = make_head_inputs(15, 32, 200, torch.float32, device, seed=91)
+    (3.5 * lce.linear_cross_entropy(hidden, weight, targets, chunk_size=4)).backward()
+    _, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
+    assert_matches(hidden.grad, 3.5 * ref_grad_hidden, torch.float32, "grad hidden")
+    assert_matches(weight.grad, 3.5 * ref_grad_weight, torch.float32, "grad weight")
+
+
+def test_linear_cross_entropy_only_weight_needs_grad(device):
+    hidden, weight, targets = make_head_inputs(15, 32, 200, torch.float32, device, seed=101)
+    hidden = hidden.detach()
+    lce.linear_cross_entropy(hidden, weight, targets, chunk_size=6).backward()
+    _, _, ref_grad_weight = reference_head(hidden, weight, targets)
+    assert_matches(weight.grad, ref_grad_weight, torch.float32, "grad weight")
+
+
+@pytest.mark.parametrize("how", ["no_grad", "no input requires grad"])
+def test_linear_cross_entropy_inference_computes_loss_only(how, monkeypatch, device):
+    hidden, weight, targets = make_head_inputs(17, 32, 150, torch.float32, device, seed=111)
+    launches = []
+    launch = lce.cross_entropy_rows_
+
+    def recording_launch(logits, targets, row_loss, ignore_index, compute_grad):
+        launches.append(compute_grad)
+        return launch(logits, targets, row_loss, ignore_index, compute_grad)
+
+    monkeypatch.setattr(lce, "cross_entropy_rows_", recording_launch)
+    if how == "no_grad":
+        with torch.no_grad():
+            loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=8)
+    else:
+        loss = lce.linear_cross_entropy(hidden.detach(), weight.detach(), targets, chunk_size=8)
+    assert launches == [False, False, False]
+    assert not loss.requires_grad
+    assert_matches(loss, reference_head(hidden, weight, targets)[0], torch.float32, "loss")
+
+
+def test_linear_cross_entropy_under_autocast_float16(device):
+    """float32 hidden under autocast: the logits are computed in float16, as nn.Linear would."""
+    hidden, weight, targets = make_head_inputs(24, 64, 300, torch.float32, device, seed=121)
+    with torch.autocast(device_type=device.type, dtype=torch.float16):
+        loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=10)
+    loss.backward()
+    assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
+    assert_matches(loss, ref_loss, torch.float16, "loss")
+    assert_matches(hidden.grad, ref_grad_hidden, torch.float16, "grad hidden")
+    assert_matches(weight.grad, ref_grad_weight, torch.float16, "grad weight")
+
+
+def test_default_chunk_rows():
+    assert lce.default_chunk_rows(32000, torch.bfloat16) == 512  # 32 MiB of bf16 logits
+    rows = lce.default_chunk_rows(10**7, torch.float32)  # a huge vocabulary still gets a usable chunk
+    assert rows == lce.CHUNK_ROW_MULTIPLE
+
+
+def test_linear_cross_entropy_rejects_bad_shapes(device):
+    hidden, weight, targets = make_head_inputs(8, 16, 50, torch.float32, device, seed=131)
+    with pytest.raises(ValueError):
+        lce.linear_cross_entropy(hidden, weight[:, :8], targets)
+    with pytest.raises(ValueError):
+        lce.linear_cross_entropy(hidden, weight, targets[:5])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_cross_entropy_full_size_gpu(dtype, device):
+    # V = 32000 (the large configs), N not a multiple of the default chunk (512 rows of bf16 logits).
+    check_head(1100, 512, 32000, dtype, device, seed=141)
+
+
+@pytest.mark.gpu
+def test_linear_cross_entropy_full_size_float32_gpu(device):
+    check_head(700, 256, 32000, torch.float32, device, seed=151, chunk_size=256)
+
+
+@pytest.mark.gpu
+def test_linear_cross_entropy_under_autocast_bfloat16_gpu(device):
+    hidden, weight, targets = make_head_inputs(2048, 1024, 32000, torch.float32, device, seed=161,
+                                               n_ignored=100)
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+        loss = lce.linear_cross_entropy(hidden, weight, targets)
+    loss.backward()
+    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
+    assert_matches(loss, ref_loss, torch.bfloat16, "loss")
+    assert_matches(hidden.grad, ref_grad_hidden, torch.bfloat16, "grad hidden")
+    assert_matches(weight.grad, ref_grad_weight, torch.bfloat16, "grad weight")

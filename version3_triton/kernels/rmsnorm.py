@@ -1,0 +1,200 @@
+"""RMSNorm in Triton: one fused kernel forward, one fused kernel backward.
+
+    y = x * rstd * weight,   rstd = 1 / sqrt(mean(x^2) + eps)   (statistics over the last dimension)
+
+PyTorch runs this as about six kernels (square, mean, add, rsqrt, two multiplies), each reading and writing a
+full tensor. A row of the model is only a few hundred numbers, so one program can hold a whole row in registers,
+read x once, and write y once: the op becomes as cheap as a copy, which is the best a memory-bound op can do.
+
+Precision: x may be float32, float16 or bfloat16; the statistics are always computed in float32 and y is stored
+in x's dtype. This equals PyTorch's
+    (weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+Layout: the wrappers view x [..., D] as a contiguous 2-D tensor [rows, D], so row r starts at r * D.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from tinytransformer.triton_support import num_warps_for
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _rms_norm_forward_kernel(
+    x_ptr,        # [rows, n_cols], contiguous, any float dtype
+    weight_ptr,   # [n_cols]
+    y_ptr,        # [rows, n_cols], contiguous, x's dtype
+    rstd_ptr,     # [rows] float32: saved for the backward pass so it need not recompute the statistics
+    n_cols,
+    eps,
+    BLOCK_SIZE: tl.constexpr,  # next power of two >= n_cols: one program holds one whole row
+):
+    # One program per row. int64 so that row * n_cols cannot overflow on large tensors.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_SIZE)
+    # BLOCK_SIZE is a power of two (Triton requires it for tl.arange); the mask hides the padding columns.
+    mask = cols < n_cols
+    row_start = row * n_cols
+
+    # Masked columns load 0, so they add nothing to the sum of squares.
+    x = tl.load(x_ptr + row_start + cols, mask=mask, other=0.0).to(tl.float32)
+    mean_square = tl.sum(x * x, axis=0) / n_cols
+    rstd = tl.rsqrt(mean_square + eps)
+
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # Same order of operations as the PyTorch reference: normalise first, then scale by the weight.
+    y = (x * rstd) * weight
+    tl.store(y_ptr + row_start + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    dy_ptr,               # [rows, n_cols], contiguous: gradient of the loss with respect to y
+    x_ptr,                # [rows, n_cols], contiguous: the forward input
+    weight_ptr,           # [n_cols]
+    rstd_ptr,             # [rows] float32, from the forward pass
+    dx_ptr,               # [rows, n_cols], contiguous, x's dtype
+    dweight_partial_ptr,  # [n_programs, n_cols] float32: one partial sum of dweight per program
+    n_rows,
+    n_cols,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """With x_hat = x * rstd and g = dy * weight:
+
+        dx      = rstd * (g - x_hat * mean(g * x_hat))     (mean over the row)
+        dweight = sum over rows of dy * x_hat
+
+    dweight sums over every row. Rather than make all programs add into one vector with atomics (slow under
+    contention, and the order of float additions, hence the result, changes from run to run), each program
+    walks over a strided set of rows, keeps its own running sum in registers, and writes it once. PyTorch
+    then adds the few hundred partial sums: deterministic, and no extra kernel to write.
+    """
+    program = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < n_cols
+
+    # The weight is the same for every row: load it once, outside the loop.
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dweight_sum = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
+
+    # Program p handles rows p, p + n_programs, p + 2 * n_programs, ...
+    for row in range(program, n_rows, n_programs):
+        # tl.cast rather than row.to(): under Triton's CPU interpreter the loop variable is a plain Python int.
+        row_start = tl.cast(row, tl.int64) * n_cols
+        x = tl.load(x_ptr + row_start + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row_start + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+
+        x_hat = x * rstd
+        g = dy * weight
+        # Padding columns have x_hat = 0 and g = 0, so they do not disturb the mean; divide by the true n_cols.
+        mean_g_x_hat = tl.sum(g * x_hat, axis=0) / n_cols
+        dx = rstd * (g - x_hat * mean_g_x_hat)
+        tl.store(dx_ptr + row_start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+        dweight_sum += dy * x_hat
+
+    tl.store(dweight_partial_ptr + program * n_cols + cols, dweight_sum, mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------ launchers
+
+
+def _block_size(n_cols: int) -> int:
+    if n_cols > 8192:
+        # Beyond this a row no longer fits comfortably in registers; it would need a loop over column chunks.
+        raise ValueError(f"rms_norm supports rows of at most 8192 elements, got {n_cols}")
+    return triton.next_power_of_2(n_cols)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device_index: int) -> int:
+    # Streaming multiprocessors on NVIDIA, compute units on AMD: both reported under this name.
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _backward_program_count(n_rows: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU a few times over, never more than there are rows."""
+    if device.type == "cuda":
+        target = 4 * _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        target = 8  # Triton's CPU interpreter runs programs one after another: parallelism does not matter.
+    return max(1, min(n_rows, target))
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     y: torch.Tensor | None = None, rstd: torch.Tensor | None = None):
+    """Launch the forward kernel.
+
+    x: [rows, D] contiguous; weight: [D]. Returns (y [rows, D] in x.dtype, rstd [rows] float32).
+    y and rstd may be passed in (tests pass buffers filled with NaN to prove every element is written).
+    """
+    assert x.dim() == 2 and x.is_contiguous(), "x must be a contiguous [rows, D] tensor"
+    n_rows, n_cols = x.shape
+    assert weight.shape == (n_cols,) and weight.is_contiguous()
+    y = torch.empty_like(x) if y is None else y
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if rstd is None else rstd
+    assert y.shape == x.shape and y.is_contiguous() and rstd.shape == (n_rows,) and rstd.dtype == torch.float32
+    if n_rows == 0:
+        return y, rstd
+    block_size = _block_size(n_cols)
+    _rms_norm_forward_kernel[(n_rows,)](
+        x, weight, y, rstd, n_cols, eps,
+        BLOCK_SIZE=block_size, num_warps=num_warps_for(block_size),
+    )
+    return y, rstd
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      dx: torch.Tensor | None = None):
+    """Launch the backward kernel, then add up the per-program partial sums of dweight.
+
+    dy, x: [rows, D] contiguous; weight: [D]; rstd: [rows] float32 from the forward pass.
+    Returns (dx [rows, D] in x.dtype, dweight [D] in weight.dtype). dx may be passed in.
+    """
+    assert dy.shape == x.shape and dy.is_contiguous() and x.is_contiguous()
+    n_rows, n_cols = x.shape
+    dx = torch.empty_like(x) if dx is None else dx
+    assert dx.shape == x.shape and dx.is_contiguous()
+    if n_rows == 0:
+        return dx, torch.zeros_like(weight)
+    block_size = _block_size(n_cols)
+    n_programs = _backward_program_count(n_rows, x.device)
+    dweight_partial = torch.empty(n_programs, n_cols, dtype=torch.float32, device=x.device)
+    _rms_norm_backward_kernel[(n_programs,)](
+        dy, x, weight, rstd, dx, dweight_partial, n_rows, n_cols,
+        BLOCK_SIZE=block_size, num_warps=num_warps_for(block_size),
+    )
+    dweight = dweight_partial.sum(dim=0).to(weight.dtype)
+    return dx, dweight
+
+
+# ------------------------------------------------------------------------------------------------ autograd
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        # Any leading dimensions ([batch, seq, D], [tokens, D], ...) become rows of one 2-D tensor.
+        x_2d = x.reshape(-1, x.shape[-1]).contiguous()
+        y, rstd = rms_norm_forward(x_2d, weight, eps)
+        ctx.save_for_backward(x_2d, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_2d, weight, rstd = ctx.saved_tensors
+        dy_2d = dy.reshape(x_2d.shape).contiguous()
+        dx, dweight = rms_norm_backward(dy_2d, x_2d, weight, rstd)
+        return dx.view(dy.shape), dweight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dimension. x: [..., D] (float32/float16/bfloat16); weight: [D]. Returns y like x."""
+    return RMSNormFunction.apply(x, weight, eps)

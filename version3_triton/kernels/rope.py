@@ -1,0 +1,193 @@
+"""Rotary position embedding (RoPE) in Triton, rotate-half convention, for q and k in one launch.
+
+Split a head vector x of size Dh into halves x1 = x[:Dh/2], x2 = x[Dh/2:]. With tables cos, sin of shape
+[S, Dh] (for each position, the angles of the Dh/2 frequencies, written twice: [a, a]):
+
+    out = x * cos + rotate_half(x) * sin,       rotate_half(x) = cat(-x2, x1)
+    i.e.  out1 = x1 * cos1 - x2 * sin1
+          out2 = x2 * cos2 + x1 * sin2          (cos1 = cos[:, :Dh/2], cos2 = cos[:, Dh/2:], same for sin)
+
+Each pair (x1[i], x2[i]) is turned by the angle pos * freq_i. PyTorch spells this as slicing, negation,
+concatenation, two multiplies and an add: several kernels and temporary tensors. Here one program loads a block
+of rows, rotates them in registers and stores them: one read and one write of q and k.
+
+Backward: out is linear in x, so dx is the transpose (adjoint) applied to g = d loss / d out:
+
+    dx = g * cos + rotate_half_transposed(g * sin),   rotate_half_transposed(y) = cat(y2, -y1)
+    i.e.  dx1 = g1 * cos1 + g2 * sin2
+          dx2 = g2 * cos2 - g1 * sin1
+
+With the duplicated tables (cos1 = cos2, sin1 = sin2) this is the rotation by the opposite angle: the inverse
+of the forward rotation, as expected for a rotation (an orthogonal map). The same kernel does both directions,
+chosen by the compile-time flag INVERSE.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from tinytransformer.triton_support import num_warps_for
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _rotate_rows(
+    in_ptr, out_ptr,       # [n_rows, 2 * half] contiguous: one row is one head vector at one position
+    cos_ptr, sin_ptr,      # [>= seq_len, 2 * half] float32 contiguous
+    row_block, n_rows, seq_len, half,
+    INVERSE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,  # next power of two >= half
+):
+    """Rotate the rows row_block * BLOCK_ROWS ... + BLOCK_ROWS - 1 of one tensor (forward or inverse)."""
+    rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = (rows < n_rows)[:, None] & (cols < half)[None, :]
+    head_dim = 2 * half
+
+    # Rows are ordered [batch, head, position], so a row's position is its index modulo seq_len.
+    positions = rows % seq_len
+    table_first = positions[:, None] * head_dim + cols[None, :]
+    table_second = table_first + half
+    # int64: rows * head_dim overflows int32 once q holds more than 2^31 elements.
+    first = rows.to(tl.int64)[:, None] * head_dim + cols[None, :]
+    second = first + half
+
+    x1 = tl.load(in_ptr + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(in_ptr + second, mask=mask, other=0.0).to(tl.float32)
+    # The tables are small ([S, Dh]) and shared by every batch element and head, so these loads hit the cache.
+    cos1 = tl.load(cos_ptr + table_first, mask=mask, other=0.0)
+    cos2 = tl.load(cos_ptr + table_second, mask=mask, other=0.0)
+    sin1 = tl.load(sin_ptr + table_first, mask=mask, other=0.0)
+    sin2 = tl.load(sin_ptr + table_second, mask=mask, other=0.0)
+
+    if INVERSE:  # the adjoint, used by the backward pass (see the module docstring)
+        out1 = x1 * cos1 + x2 * sin2
+        out2 = x2 * cos2 - x1 * sin1
+    else:
+        out1 = x1 * cos1 - x2 * sin1
+        out2 = x2 * cos2 + x1 * sin2
+
+    tl.store(out_ptr + first, out1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + second, out2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+    n_q_rows, n_k_rows, seq_len, half,
+    INVERSE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Grid (row blocks, 2): the second grid axis picks the tensor, so q and k share one launch.
+
+    Used for the forward pass (INVERSE=False: rotate q and k) and the backward pass (INVERSE=True: the
+    pointers are then the gradients of q_rot and k_rot, and the outputs the gradients of q and k).
+    k may have fewer heads than q (grouped-query attention): its surplus row blocks are simply masked off.
+    """
+    row_block = tl.program_id(0)
+    if tl.program_id(1) == 0:
+        _rotate_rows(q_ptr, q_out_ptr, cos_ptr, sin_ptr, row_block, n_q_rows, seq_len, half,
+                     INVERSE, BLOCK_ROWS, BLOCK_HALF)
+    else:
+        _rotate_rows(k_ptr, k_out_ptr, cos_ptr, sin_ptr, row_block, n_k_rows, seq_len, half,
+                     INVERSE, BLOCK_ROWS, BLOCK_HALF)
+
+
+# ------------------------------------------------------------------------------------------------ launchers
+
+# Elements of one tensor (both halves) that one program rotates: large enough to amortise the index arithmetic
+# and keep many loads in flight, small enough to stay in registers.
+_ELEMENTS_PER_PROGRAM = 2048
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0, device=None):
+    """cos and sin tables, each [seq_len, head_dim] float32, in the rotate-half layout [angles, angles].
+
+    angle[pos, i] = pos * theta^(-2i / head_dim) for i < head_dim / 2.
+    The angles are computed in float64 and rounded once at the end: in float32, pos * freq would already
+    carry an error of about pos * 6e-8 radians before the cos and sin.
+    """
+    assert head_dim % 2 == 0, "RoPE rotates pairs of features: head_dim must be even"
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim  # 2i / Dh
+    freqs = theta ** (-exponents)                                             # [Dh/2]
+    positions = torch.arange(seq_len, dtype=torch.float64)
+    angles = torch.outer(positions, freqs)                                    # [S, Dh/2]
+    angles = torch.cat([angles, angles], dim=-1)                              # [S, Dh]
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def _launch_rope(q, k, cos, sin, q_out, k_out, inverse: bool):
+    assert q.is_contiguous() and k.is_contiguous(), "the kernel addresses rows as row * head_dim"
+    assert q.dim() == 4 and k.dim() == 4 and q.shape[-2:] == k.shape[-2:] and q.dtype == k.dtype, \
+        "q and k must be [batch, heads, seq, head_dim] with the same seq, head_dim and dtype"
+    seq_len, head_dim = q.shape[-2:]
+    assert head_dim % 2 == 0
+    assert cos.shape == sin.shape and cos.shape[0] >= seq_len and cos.shape[1] == head_dim, \
+        f"cos/sin must be [>= {seq_len}, {head_dim}], got {tuple(cos.shape)}"
+    # The tables stay float32 whatever q's dtype: they are tiny, and angles near pi lose precision in bf16.
+    cos = cos.to(torch.float32).contiguous()
+    sin = sin.to(torch.float32).contiguous()
+    q_out = torch.empty_like(q) if q_out is None else q_out
+    k_out = torch.empty_like(k) if k_out is None else k_out
+    assert q_out.shape == q.shape and k_out.shape == k.shape and q_out.is_contiguous() and k_out.is_contiguous()
+
+    half = head_dim // 2
+    n_q_rows, n_k_rows = q.numel() // head_dim, k.numel() // head_dim
+    n_rows = max(n_q_rows, n_k_rows)
+    if n_rows == 0:
+        return q_out, k_out
+    block_half = triton.next_power_of_2(half)
+    block_rows = max(1, min(_ELEMENTS_PER_PROGRAM // (2 * block_half), triton.next_power_of_2(n_rows)))
+    grid = (triton.cdiv(n_rows, block_rows), 2)
+    _rope_kernel[grid](
+        q, k, q_out, k_out, cos, sin, n_q_rows, n_k_rows, seq_len, half,
+        INVERSE=inverse, BLOCK_ROWS=block_rows, BLOCK_HALF=block_half,
+        num_warps=num_warps_for(2 * block_rows * block_half),
+    )
+    return q_out, k_out
+
+
+def rope_forward(q, k, cos, sin, q_out=None, k_out=None):
+    """Rotate q [B, H, S, Dh] and k [B, Hk, S, Dh] (contiguous). Returns (q_rot, k_rot) in q's dtype.
+
+    q_out and k_out may be passed in (tests pass buffers filled with NaN to prove every element is written).
+    """
+    return _launch_rope(q, k, cos, sin, q_out, k_out, inverse=False)
+
+
+def rope_backward(grad_q_rot, grad_k_rot, cos, sin, grad_q=None, grad_k=None):
+    """Gradients of q and k from those of q_rot and k_rot (contiguous, same shapes): the inverse rotation."""
+    return _launch_rope(grad_q_rot, grad_k_rot, cos, sin, grad_q, grad_k, inverse=True)
+
+
+# ------------------------------------------------------------------------------------------------ autograd
+
+
+class RoPEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        # In the model q and k are views of the fused qkv projection, permuted to [B, H, S, Dh], so their rows
+        # are not adjacent in memory. The kernel assumes the plain contiguous layout (row r at r * Dh), which
+        # keeps its index arithmetic to one line; the price is one copy here. Passing the four strides to the
+        # kernel instead would remove that copy.
+        q, k = q.contiguous(), k.contiguous()
+        q_rot, k_rot = rope_forward(q, k, cos, sin)
+        ctx.save_for_backward(cos, sin)
+        return q_rot, k_rot
+
+    @staticmethod
+    def backward(ctx, grad_q_rot, grad_k_rot):
+        cos, sin = ctx.saved_tensors
+        # Autograd hands over zeros (not None) for an unused output, so both gradients are tensors here.
+        grad_q, grad_k = rope_backward(grad_q_rot.contiguous(), grad_k_rot.contiguous(), cos, sin)
+        return grad_q, grad_k, None, None
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Apply RoPE to q [B, H, S, Dh] and k [B, Hk, S, Dh] (any strides) with tables from rope_tables().
+
+    cos, sin: [>= S, Dh] float32 (only the first S rows are used). Returns (q_rot, k_rot), contiguous.
+    """
+    return RoPEFunction.apply(q, k, cos, sin)

@@ -1,0 +1,259 @@
+"""Fused residual-add + RMSNorm: one kernel forward, one kernel backward.
+
+A pre-norm transformer block does, twice per layer,
+
+    h      = residual + delta                      # the residual stream
+    normed = weight * h / sqrt(mean(h^2) + eps)    # the input of the next sub-layer
+
+In plain PyTorch that is an add, a square, a mean, an rsqrt, two multiplies and a cast: several kernels, each
+reading and writing a whole [N, D] tensor. Here one Triton program owns one row: it reads `residual` and
+`delta` once, writes `h` and `normed` once, and keeps everything in between in registers. The statistics are
+computed in float32 whatever the input dtype, exactly like the reference
+
+    h = residual + delta
+    normed = (weight * (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps))).to(h.dtype)
+
+The first layer has no delta to add: pass `delta=None`, and the op is a plain RMSNorm that returns its input
+unchanged as `new_residual` (no copy is made).
+
+Backward. With x_hat = h * rstd and g = grad_normed * weight, the gradient of RMSNorm is
+
+    grad_h = rstd * (g - x_hat * mean(g * x_hat))
+
+and the residual path adds `grad_new_residual` on top. Since h = residual + delta, that same grad_h is the
+gradient of both `residual` and `delta`. The weight gradient sum_rows(grad_normed * x_hat) is a reduction over
+all rows: each backward program owns a block of rows, accumulates its own partial sum in float32 and writes
+it to its own row of a [programs, D] buffer; torch.sum then adds the partial sums. No atomics, so the result
+is the same bit for bit on every run.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from tinytransformer.triton_support import interpreter_active, num_warps_for
+
+# One program holds a whole row in registers; beyond this many features it would spill.
+MAX_FEATURES = 8192
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _add_rms_norm_forward_kernel(
+    residual_ptr, delta_ptr, weight_ptr,      # inputs: [N, D], [N, D] (unused without delta), [D]
+    new_residual_ptr, normed_ptr, rstd_ptr,   # outputs: [N, D], [N, D], [N] float32 (kept for backward)
+    n_features, eps,
+    HAS_DELTA: tl.constexpr,                  # False: plain RMSNorm, nothing added and no new_residual written
+    BLOCK_D: tl.constexpr,                    # power of two >= n_features: the whole row in one block
+):
+    # int64 row offset: N * D can exceed 2^31 elements for long sequences and wide models.
+    row_start = tl.program_id(0).to(tl.int64) * n_features
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < n_features  # D need not be a power of two
+
+    h = tl.load(residual_ptr + row_start + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        h += tl.load(delta_ptr + row_start + cols, mask=mask, other=0.0).to(tl.float32)
+        # Round h to the stream's dtype before normalising, so the norm sees exactly the new_residual that
+        # the next layer will see (as in the reference, where h is a tensor of the input dtype).
+        h = h.to(new_residual_ptr.dtype.element_ty)
+        tl.store(new_residual_ptr + row_start + cols, h, mask=mask)
+        h = h.to(tl.float32)
+
+    # Masked columns hold 0, so they add nothing to the sum of squares; divide by the true D.
+    mean_square = tl.sum(h * h, axis=0) / n_features
+    rstd = tl.rsqrt(mean_square + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = h * rstd * weight
+    tl.store(normed_ptr + row_start + cols, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + tl.program_id(0), rstd)
+
+
+@triton.jit
+def _add_rms_norm_backward_kernel(
+    h_ptr, weight_ptr, rstd_ptr,              # saved by forward: [N, D], [D], [N]
+    grad_normed_ptr, grad_new_residual_ptr,   # incoming gradients: [N, D], [N, D] (unused without it)
+    grad_h_ptr,                               # output: [N, D], the gradient of residual and of delta
+    partial_grad_weight_ptr,                  # output: [programs, D] float32, one partial sum per program
+    n_rows, n_features, rows_per_program,
+    HAS_RESIDUAL_GRAD: tl.constexpr,          # False when nothing downstream used new_residual
+    BLOCK_D: tl.constexpr,
+):
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < n_features
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # This program's share of sum_rows(grad_normed * x_hat), in float32 however many rows it covers.
+    grad_weight_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+
+    # int64 rows (the loop variable takes the type of its bounds): row * D may exceed 2^31.
+    first_row = program.to(tl.int64) * rows_per_program
+    for row in range(first_row, tl.minimum(first_row + rows_per_program, n_rows)):
+        row_start = row * n_features
+        h = tl.load(h_ptr + row_start + cols, mask=mask, other=0.0).to(tl.float32)
+        grad_normed = tl.load(grad_normed_ptr + row_start + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+
+        x_hat = h * rstd
+        g = grad_normed * weight
+        # mean(g * x_hat) couples every feature of the row: this is why one program owns a whole row.
+        grad_h = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=0) / n_features))
+        if HAS_RESIDUAL_GRAD:
+            grad_h += tl.load(grad_new_residual_ptr + row_start + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(grad_h_ptr + row_start + cols, grad_h.to(grad_h_ptr.dtype.element_ty), mask=mask)
+        grad_weight_acc += grad_normed * x_hat
+
+    tl.store(partial_grad_weight_ptr + program * n_features + cols, grad_weight_acc, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch helpers
+# ----------------------------------------------------------------------------------------------------------
+def _new_output(shape, dtype, device):
+    """Every buffer a kernel fills is allocated here (uninitialised: the kernel writes every element).
+
+    A single allocation point lets the tests swap in NaN-filled buffers, so an element a kernel forgets to
+    write shows up as NaN instead of as whatever memory happened to hold.
+    """
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _block_size(n_features):
+    if n_features > MAX_FEATURES:
+        raise ValueError(f"add_rms_norm holds a whole row in one block; D={n_features} exceeds "
+                         f"MAX_FEATURES={MAX_FEATURES}")
+    return triton.next_power_of_2(n_features)
+
+
+def _backward_program_count(n_rows, device):
+    """Enough programs to fill the GPU a few times over, each with a block of rows.
+
+    Fewer programs than rows keeps the [programs, D] partial-sum buffer (and torch.sum over it) small.
+    """
+    if device.type == "cuda" and not interpreter_active():
+        # multi_processor_count is the number of SMs on NVIDIA and of compute units on AMD.
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4  # the interpreter runs programs one after another: a few are enough to test the loop
+    rows_per_program = triton.cdiv(n_rows, min(n_rows, target))
+    return triton.cdiv(n_rows, rows_per_program), rows_per_program
+
+
+def _as_rows(x, n_features):
+    """[..., D] -> contiguous [N, D]: the kernels index rows as row * D."""
+    return x.reshape(-1, n_features).contiguous()
+
+
+def _rms_norm_forward(x, delta, weight, eps, stream_dtype):
+    """Launch the forward kernel on rows x [N, D] (and delta [N, D] or None).
+
+    Returns (new_residual [N, D] or None without delta, normed [N, D], rstd [N] float32).
+    """
+    n_rows, n_features = x.shape
+    has_delta = delta is not None
+    new_residual = _new_output((n_rows, n_features), stream_dtype, x.device) if has_delta else None
+    normed = _new_output((n_rows, n_features), stream_dtype, x.device)
+    rstd = _new_output((n_rows,), torch.float32, x.device)
+    if n_rows > 0:
+        block_d = _block_size(n_features)
+        # Without delta, x stands in for the two unused pointers: the kernel never touches them.
+        _add_rms_norm_forward_kernel[(n_rows,)](
+            x, delta if has_delta else x, weight, new_residual if has_delta else x, normed, rstd,
+            n_features, eps, HAS_DELTA=has_delta, BLOCK_D=block_d, num_warps=num_warps_for(block_d))
+    return new_residual, normed, rstd
+
+
+def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual):
+    """Launch the backward kernel. Returns (grad_h [N, D] in h's dtype, grad_weight [D] float32)."""
+    n_rows, n_features = h.shape
+    grad_normed = _as_rows(grad_normed, n_features)
+    has_residual_grad = grad_new_residual is not None
+    # Without a residual gradient, grad_normed stands in for the unused pointer.
+    grad_res = _as_rows(grad_new_residual, n_features) if has_residual_grad else grad_normed
+    grad_h = _new_output((n_rows, n_features), h.dtype, h.device)
+    if n_rows == 0:
+        return grad_h, torch.zeros(n_features, dtype=torch.float32, device=h.device)
+
+    n_programs, rows_per_program = _backward_program_count(n_rows, h.device)
+    partial_grad_weight = _new_output((n_programs, n_features), torch.float32, h.device)
+    block_d = _block_size(n_features)
+    _add_rms_norm_backward_kernel[(n_programs,)](
+        h, weight, rstd, grad_normed, grad_res, grad_h, partial_grad_weight,
+        n_rows, n_features, rows_per_program,
+        HAS_RESIDUAL_GRAD=has_residual_grad, BLOCK_D=block_d, num_warps=num_warps_for(block_d))
+    # A fixed-order reduction over the programs' partial sums: deterministic, unlike atomic adds.
+    return grad_h, partial_grad_weight.sum(dim=0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------------------
+class AddRMSNormFunction(torch.autograd.Function):
+    """(residual, delta or None, weight [D], eps) -> (new_residual, normed), both shaped like residual."""
+
+    @staticmethod
+    def forward(ctx, residual, delta, weight, eps):
+        shape, n_features = residual.shape, residual.shape[-1]
+        if weight.shape != (n_features,):
+            raise ValueError(f"weight {tuple(weight.shape)} must be [{n_features}]")
+        has_delta = delta is not None
+        if has_delta and delta.shape != residual.shape:
+            raise ValueError(f"delta {tuple(delta.shape)} must match residual {tuple(residual.shape)}")
+        # new_residual follows PyTorch's type promotion, e.g. float32 stream + bfloat16 sub-layer output.
+        stream_dtype = torch.result_type(residual, delta) if has_delta else residual.dtype
+        x = _as_rows(residual, n_features)
+        d = _as_rows(delta, n_features) if has_delta else None
+        weight = weight.contiguous()
+        new_residual, normed, rstd = _rms_norm_forward(x, d, weight, eps, stream_dtype)
+
+        h = new_residual if has_delta else x
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.has_delta, ctx.shape = has_delta, shape
+        ctx.dtypes = (residual.dtype, delta.dtype if has_delta else None)
+        # A None gradient for new_residual (not used downstream) lets the kernel skip that load.
+        ctx.set_materialize_grads(False)
+        if has_delta:
+            return new_residual.view(shape), normed.view(shape)
+        # Returned unchanged: the caller's residual stream is the input itself (autograd makes it a view).
+        return residual, normed.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad_new_residual, grad_normed):
+        h, weight, rstd = ctx.saved_tensors
+        residual_dtype, delta_dtype = ctx.dtypes
+
+        if grad_normed is None:  # only the residual path was used: the norm contributes nothing
+            grad_h, grad_weight = grad_new_residual, None
+        else:
+            grad_h, grad_weight = _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual)
+
+        grad_residual = grad_delta = None
+        if grad_h is not None:
+            grad_h = grad_h.view(ctx.shape)
+            grad_residual = grad_h.to(residual_dtype)
+            if ctx.has_delta:
+                grad_delta = grad_h.to(delta_dtype)  # the very same tensor when the dtypes agree
+        if grad_weight is not None and ctx.needs_input_grad[2]:
+            grad_weight = grad_weight.to(weight.dtype)
+        else:
+            grad_weight = None
+        return grad_residual, grad_delta, grad_weight, None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------------------
+def add_rms_norm(residual, delta, weight, eps=1e-6):
+    """Fused `h = residual + delta; normed = RMSNorm(h) * weight`. Returns (new_residual, normed).
+
+    residual: [..., D] (D <= 8192); delta: same shape as residual, or None for a plain RMSNorm, in which case
+    `new_residual` is `residual` itself. weight: [D]. Statistics in float32; both outputs take the promoted
+    dtype of residual and delta.
+    """
+    return AddRMSNormFunction.apply(residual, delta, weight, eps)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """Plain RMSNorm through the same kernels: `add_rms_norm(x, None, weight, eps)[1]`."""
+    return add_rms_norm(x, None, weight, eps)[1]

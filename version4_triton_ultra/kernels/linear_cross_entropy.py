@@ -1,0 +1,227 @@
+"""Fused output head + cross-entropy, in chunks of rows, with the gradient computed during the forward pass.
+
+The last layer of a language model is a matmul to V vocabulary scores per token followed by a softmax
+cross-entropy. Done naively, with N tokens,
+
+    logits = hidden @ weight.T                   # [N, V] in bf16: 0.5 GB for N=8192, V=32000
+    loss = F.cross_entropy(logits.float(), t)    # a float32 copy (1 GB), softmax and its gradient (1 GB more)
+
+the biggest tensors of the whole training step are these logits, although only one number per row (the loss)
+and the two small gradients (of hidden [N, D] and weight [V, D]) are wanted in the end. This op never holds
+more than one chunk of logits:
+
+    for each chunk of rows:
+        logits = hidden[chunk] @ weight.T            torch matmul (vendor BLAS), in hidden's dtype
+        kernel: per-row loss in float32, and the logits overwritten in place by  softmax - onehot(target)
+        grad_hidden[chunk]  = dlogits @ weight       torch matmul
+        grad_weight        += dlogits.T @ hidden[chunk]
+
+Since the gradient is computed in forward, backward only multiplies the two saved gradients by the incoming
+grad_output (a scalar). Without any input that requires grad, only the loss is computed.
+
+Why the kernel writes softmax - onehot and not (softmax - onehot) / n_valid: in float16 the scaled values
+(about 1 / (V * n_valid), e.g. 1e-9) fall below float16's smallest normal number (6e-5) and flush to zero.
+Unscaled, they are probabilities, which float16 holds well; the 1/n_valid is applied afterwards in float32.
+
+The kernel: one program per row streams over V in blocks of BLOCK_V (V may be 32000, not a power of two).
+First pass: an "online" max and sum of exponentials, rescaling the running sum whenever the max grows, so the
+row is read once for logsumexp. Second pass: the gradient, written back over the logits.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from tinytransformer.triton_support import num_warps_for
+
+# Largest block of vocabulary entries one program handles at a time (the row loops over blocks this long).
+MAX_BLOCK_V = 4096
+# Default chunk: this many bytes of logits. Each chunk also adds a [V, D] matmul result into grad_weight,
+# a cost independent of the chunk's length, so chunks much shorter than this make that add dominate.
+DEFAULT_CHUNK_BYTES = 32 * 2**20
+# Chunk lengths are multiples of this (matmul tiles are usually 64 or 128 rows).
+CHUNK_ROW_MULTIPLE = 64
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernel: forward and backward of softmax cross-entropy, one row per program
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _cross_entropy_rows_kernel(
+    logits_ptr,                 # [rows, V] in, contiguous; with COMPUTE_GRAD, overwritten by softmax - onehot
+    targets_ptr,                # [rows] int64
+    row_loss_ptr,               # [rows] float32 out: logsumexp - logit[target], 0 for ignored rows
+    vocab_size, ignore_index,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0)
+    # int64: rows * V of a long chunk can exceed 2^31 elements.
+    row_logits_ptr = logits_ptr + row.to(tl.int64) * vocab_size
+    target = tl.load(targets_ptr + row)
+    is_valid = target != ignore_index
+
+    # Pass 1: running max m and running sum s of exp(x - m), all in float32 whatever the logits' dtype.
+    m = float("-inf")
+    s = 0.0
+    target_logit = 0.0
+    for start in range(0, vocab_size, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < vocab_size
+        x = tl.load(row_logits_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        # Rescale what was summed relative to the old max; exp(-inf) = 0 on the first block.
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+        # Pick out the target's logit on the way, instead of a separate gather that could read out of range.
+        target_logit += tl.sum(tl.where((cols == target) & mask, x, 0.0), axis=0)
+    log_sum_exp = m + tl.log(s)
+    tl.store(row_loss_ptr + row, tl.where(is_valid, log_sum_exp - target_logit, 0.0))
+
+    # Pass 2: d(loss_row)/d(logits) = softmax - onehot(target); ignored rows get zeros.
+    if COMPUTE_GRAD:
+        for start in range(0, vocab_size, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < vocab_size
+            x = tl.load(row_logits_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            grad = tl.exp(x - log_sum_exp) - tl.where(cols == target, 1.0, 0.0)
+            grad = tl.where(is_valid, grad, 0.0)
+            tl.store(row_logits_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch helpers
+# ----------------------------------------------------------------------------------------------------------
+def _new_output(shape, dtype, device):
+    """Every buffer a kernel or matmul fills is allocated here (uninitialised).
+
+    A single allocation point lets the tests swap in NaN-filled buffers, so an element nobody writes shows
+    up as NaN instead of as whatever memory happened to hold.
+    """
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def cross_entropy_rows_(logits, targets, row_loss, ignore_index=-100, compute_grad=True):
+    """Per-row cross-entropy of `logits` [rows, V] (contiguous) into `row_loss` [rows] float32.
+
+    With compute_grad, `logits` is overwritten in place by softmax - onehot(target) (zeros on ignored rows).
+    """
+    n_rows, vocab_size = logits.shape
+    if n_rows == 0:
+        return
+    block_v = min(triton.next_power_of_2(vocab_size), MAX_BLOCK_V)
+    _cross_entropy_rows_kernel[(n_rows,)](
+        logits, targets, row_loss, vocab_size, ignore_index,
+        COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, num_warps=num_warps_for(block_v))
+
+
+def default_chunk_rows(vocab_size, dtype):
+    """Rows per chunk so that one chunk of logits is about DEFAULT_CHUNK_BYTES."""
+    row_bytes = vocab_size * torch.tensor([], dtype=dtype).element_size()
+    rows = DEFAULT_CHUNK_BYTES // row_bytes
+    return max(CHUNK_ROW_MULTIPLE, rows // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE)
+
+
+def _compute_dtype(hidden):
+    """The dtype of the logits: autocast's dtype when autocast is on (as nn.Linear would use), else hidden's."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return hidden.dtype
+
+
+# ----------------------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------------------
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """(hidden [N, D], weight [V, D], targets [N], chunk_size, ignore_index, grad_enabled) -> mean loss.
+
+    grad_enabled: torch.is_grad_enabled() of the caller. Inside forward, grad mode is always off and
+    ctx.needs_input_grad only reflects requires_grad, so under torch.no_grad() it would still ask for
+    gradients nobody will use.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index, grad_enabled):
+        n_rows = hidden.shape[0]
+        dtype = _compute_dtype(hidden)
+        want_grad_hidden = grad_enabled and ctx.needs_input_grad[0]
+        want_grad_weight = grad_enabled and ctx.needs_input_grad[1]
+        compute_grad = want_grad_hidden or want_grad_weight
+        chunk_size = chunk_size or default_chunk_rows(weight.shape[0], dtype)
+
+        # Cast once, as autocast would for nn.Linear; then turn autocast off so every matmul below runs in
+        # exactly this dtype.
+        hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)
+        row_loss = _new_output((n_rows,), torch.float32, hidden.device)
+        # Unscaled gradients (see the module docstring): grad_hidden in the compute dtype, grad_weight summed
+        # over chunks in float32.
+        grad_hidden = _new_output(hidden_c.shape, dtype, hidden.device) if want_grad_hidden else None
+        grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                       if want_grad_weight else None)
+
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            for start in range(0, n_rows, chunk_size):
+                rows = slice(start, min(start + chunk_size, n_rows))
+                logits = hidden_c[rows] @ weight_c.T  # [rows, V]: the only logits that ever exist
+                cross_entropy_rows_(logits, targets[rows], row_loss[rows], ignore_index, compute_grad)
+                if not compute_grad:
+                    continue
+                dlogits = logits  # the kernel has overwritten the logits with softmax - onehot
+                if want_grad_hidden:
+                    torch.matmul(dlogits, weight_c, out=grad_hidden[rows])
+                if want_grad_weight:
+                    _accumulate(grad_weight, dlogits.T, hidden_c[rows])
+
+        # Mean over the rows that count; stays on the device (no .item(), so no host synchronisation).
+        # With every target ignored this is 0/0 = nan, as in F.cross_entropy.
+        n_valid = (targets != ignore_index).sum().to(torch.float32)
+        loss = row_loss.sum() / n_valid
+        if compute_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight, 1.0 / n_valid)
+            ctx.dtypes = (hidden.dtype, weight.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight, inv_n_valid = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        # One float32 scalar folds the mean's 1/n_valid and the incoming gradient (e.g. a loss scale).
+        scale = grad_output.to(torch.float32) * inv_n_valid
+        if grad_hidden is not None:
+            grad_hidden = (grad_hidden.to(torch.float32) * scale).to(hidden_dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * scale).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _accumulate(grad_weight, a, b):
+    """grad_weight (float32) += a @ b, without a float32 copy of a and b when they are 16-bit."""
+    if a.dtype == torch.float32:
+        grad_weight.addmm_(a, b)  # in place, no temporary
+    else:
+        grad_weight += a @ b  # a 16-bit [V, D] product (float32 accumulation inside the matmul), then added
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------------------------------------
+def linear_cross_entropy(hidden, weight, targets, chunk_size=None, ignore_index=-100):
+    """Mean cross-entropy of `hidden @ weight.T` against `targets`, never holding all the logits.
+
+    hidden: [..., D] float32, or 16-bit (or float32 under autocast, then cast as nn.Linear would be).
+    weight: [V, D] (the output head's weight). targets: [...] int64, matching hidden's leading dims; entries
+    equal to ignore_index do not count. chunk_size: rows per chunk (default: ~DEFAULT_CHUNK_BYTES of logits).
+    Returns a float32 scalar equal to F.cross_entropy((hidden @ weight.T).float(), targets).
+    """
+    n_features = hidden.shape[-1]
+    if weight.shape[-1] != n_features:
+        raise ValueError(f"hidden has {n_features} features, weight {tuple(weight.shape)} expects "
+                         f"{weight.shape[-1]}")
+    hidden_rows = hidden.reshape(-1, n_features)
+    targets_rows = targets.reshape(-1)
+    if targets_rows.shape[0] != hidden_rows.shape[0]:
+        raise ValueError(f"{targets_rows.shape[0]} targets for {hidden_rows.shape[0]} rows of hidden")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    return LinearCrossEntropyFunction.apply(hidden_rows, weight, targets_rows.contiguous(), chunk_size,
+                                            ignore_index, torch.is_grad_enabled())

@@ -18,9 +18,11 @@ What a trace holds. Only "complete" events count (ph "X": start "ts" and length 
     kernel            one kernel execution
     gpu_memcpy        one copy ("Memcpy HtoD (Pageable -> Device)")
     gpu_memset        one fill ("Memset (Device)")
+  memory (only with profile_memory=True): instant events (ph "i") named "[memory]" on the host thread that
+    allocated or freed: args "Bytes" (negative for a free) and "Device Type" (0 = CPU, else the GPU)
   ignored: gpu_user_annotation (record_function ranges drawn again on the GPU timeline, which would count
     every kernel twice), python_function, flow arrows (ph "s"/"f", cat ac2g or fwdbwd), metadata (ph "M"),
-    instant events, the "Trace" span, overhead and cuda_sync events.
+    other instant events, the "Trace" span, overhead and cuda_sync events.
   Torch 1.8 wrote "Operator", "Runtime", "Kernel", "Memcpy", "Memset"; those are read too. ROCm builds of
   torch use the same categories (the names inside differ: hipLaunchKernel, hipModuleLaunchKernel).
 
@@ -95,6 +97,10 @@ SORT_KEYS = {
     "self_cpu_time": "self_cpu_us",
     "cpu_time": "cpu_us",
     "count": "calls",
+    "self_cpu_memory_usage": "self_cpu_mem_bytes",
+    "cpu_memory_usage": "cpu_mem_bytes",
+    "self_device_memory_usage": "self_device_mem_bytes",
+    "device_memory_usage": "device_mem_bytes",
 }
 # The names torch's own key_averages().table(sort_by=...) uses, mapped onto ours.
 SORT_KEY_ALIASES = {
@@ -105,13 +111,32 @@ SORT_KEY_ALIASES = {
     "self_cpu_time_total": "self_cpu_time",
     "cpu_time_total": "cpu_time",
     "calls": "count",
+    "self_cuda_memory_usage": "self_device_memory_usage",
+    "cuda_memory_usage": "device_memory_usage",
 }
 # On a trace without device activity, a device key falls back to its CPU twin.
-_CPU_TWIN = {"self_device_time": "self_cpu_time", "device_time": "cpu_time"}
+_CPU_TWIN = {
+    "self_device_time": "self_cpu_time",
+    "device_time": "cpu_time",
+    "self_device_memory_usage": "self_cpu_memory_usage",
+    "device_memory_usage": "cpu_memory_usage",
+}
+_MEMORY_KEYS = ("self_cpu_memory_usage", "cpu_memory_usage",
+                "self_device_memory_usage", "device_memory_usage")
+_MEMORY_FIELDS = tuple(SORT_KEYS[key] for key in _MEMORY_KEYS)
 
-OPERATOR_COLUMNS = ("name", "calls", "self_cpu_us", "cpu_us", "self_device_us", "device_us")
+OPERATOR_COLUMNS = ("name", "calls", "self_cpu_us", "cpu_us", "self_device_us", "device_us",
+                    "self_cpu_mem_bytes", "cpu_mem_bytes", "self_device_mem_bytes", "device_mem_bytes")
 KERNEL_COLUMNS = ("name", "category", "calls", "total_us", "mean_us", "min_us", "max_us", "pct_device_time")
 PHASE_COLUMNS = ("phase", "us", "pct", "count", "us_per_step")
+
+
+class ReportFiles(dict):
+    """File name -> Path of what write_reports wrote, with `summary` (the summarize() dict) beside it."""
+
+    def __init__(self, paths: Mapping[str, Path], summary: dict):
+        super().__init__(paths)
+        self.summary = summary
 
 
 class ReportRows(list):
@@ -155,21 +180,22 @@ def load_trace(path) -> Trace:
         except (OSError, EOFError) as err:
             raise TraceError(f"{path} looks gzip-compressed but cannot be decompressed: {err}") from None
     try:
-        data = json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise TraceError(f"{path} is not a text (JSON) file") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise TraceError(
-            f"{path} is not valid JSON ({err.msg} at line {err.lineno}); a trace cut short while being "
-            "written looks like this"
-        ) from None
+        cut_short = err.pos >= len(text.rstrip())  # the parser ran out of text mid-way
+        hint = ": the file ends too early (a trace cut short while being written?)" if cut_short else ""
+        raise TraceError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}){hint}") from None
     trace = _as_trace_dict(data, source=str(path))
     trace.path = path
     return trace
 
 
 def _as_trace_dict(data, source: str) -> Trace:
-    """Check that decoded JSON is a trace: {"traceEvents": [...]} (or the bare event list) with timed events."""
+    """Check that decoded JSON is a trace: {"traceEvents": [...]} or a bare event list, with timed events."""
     if isinstance(data, list):  # Chrome's format also allows a bare array of events
         data = {"traceEvents": data}
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
@@ -199,7 +225,7 @@ class _Event:
 
     __slots__ = (
         "name", "kind", "pid", "tid", "start", "dur", "args", "order",
-        "parent", "children_us", "device_self_us", "device_total_us",  # host events
+        "parent", "children_us", "device_self_us", "device_total_us", "memory",  # host events
         "anchor", "owner", "phase", "step",  # device events
     )
 
@@ -212,6 +238,7 @@ class _Event:
         self.children_us = 0.0
         self.device_self_us = 0.0
         self.device_total_us = 0.0
+        self.memory = None  # {"self_cpu_mem_bytes": ..., ...} once an allocation is charged to it
         self.anchor = self.owner = self.phase = self.step = None
 
     @property
@@ -228,9 +255,14 @@ class _Event:
 
 def _parse_event(raw, order: int) -> _Event | None:
     """Turn one JSON event into an _Event, or None for events this module ignores."""
-    if not isinstance(raw, dict) or raw.get("ph") != "X":
+    if not isinstance(raw, dict):
         return None
-    kind = _KIND_OF_CATEGORY.get(str(raw.get("cat", "")).lower())
+    if raw.get("ph") == "i" and raw.get("name") == "[memory]":
+        kind = "memory"
+    elif raw.get("ph") == "X":
+        kind = _KIND_OF_CATEGORY.get(str(raw.get("cat", "")).lower())
+    else:
+        return None
     if kind is None:
         return None
     try:
@@ -269,7 +301,9 @@ class _Analysis:
         events = [ev for ev in parsed if ev is not None]
         self.host = [ev for ev in events if ev.kind in _HOST_KINDS]
         self.device = [ev for ev in events if ev.kind in _DEVICE_KINDS]
+        self.memory = [ev for ev in events if ev.kind == "memory"]
         self._nest_host_events_per_thread()
+        self._charge_memory_to_operators()
         self.steps = self._find_steps()
         self._step_starts = [start for _, start, _ in self.steps]
         self.backward_windows = _Windows((ev.start, ev.end) for ev in self.host if ev.name == "backward")
@@ -282,7 +316,7 @@ class _Analysis:
     def _nest_host_events_per_thread(self):
         """Give every host event its innermost enclosing host event on the same thread (its parent)."""
         threads = defaultdict(list)
-        for ev in self.host:
+        for ev in self.host + self.memory:
             threads[(ev.pid, ev.tid)].append(ev)
         for events in threads.values():
             # Outer events first: earlier start, then longer; the file order breaks the remaining ties.
@@ -296,7 +330,24 @@ class _Analysis:
                 if open_events:
                     ev.parent = open_events[-1]
                     ev.parent.children_us += ev.dur
-                open_events.append(ev)
+                if ev.kind != "memory":  # an allocation is a point in time: it encloses nothing
+                    open_events.append(ev)
+
+    def _charge_memory_to_operators(self):
+        """As in torch's table: self memory to the innermost enclosing operator, total to all of them."""
+        for mem in self.memory:
+            try:
+                size = int(mem.args.get("Bytes", 0))
+            except (TypeError, ValueError):
+                continue
+            where = "cpu" if mem.args.get("Device Type", 0) == 0 else "device"
+            operators = [ev for ev in _enclosing(mem) if _is_operator_row(ev)]
+            for depth, op in enumerate(operators):
+                if op.memory is None:
+                    op.memory = dict.fromkeys(_MEMORY_FIELDS, 0)
+                op.memory[f"{where}_mem_bytes"] += size
+                if depth == 0:
+                    op.memory[f"self_{where}_mem_bytes"] += size
 
     def _find_steps(self) -> list[tuple[str, float, float]]:
         seen = {}
@@ -493,16 +544,25 @@ def top_operators(trace, sort_by: str = "self_device_time", limit: int | None = 
     Rows cover cpu_op events and launch calls (cudaLaunchKernel, hipLaunchKernel, cuLaunchKernel: their
     count and CPU time show the cost of launching). Self CPU time is the event's duration minus that of
     the host events directly inside it; self device time is the time of the kernels whose launch's
-    innermost enclosing op is this one; total device time adds the kernels of everything it calls.
+    innermost enclosing op is this one; total device time adds the kernels of everything it calls. The
+    memory columns (bytes allocated minus bytes freed, self and total) are filled only for traces recorded
+    with profile_memory=True.
     `meta` says which key was used: on a trace without device activity a device key falls back to its CPU
-    twin (self_device_time -> self_cpu_time, device_time -> cpu_time), with a note.
+    twin (self_device_time -> self_cpu_time, device_time -> cpu_time, device memory -> CPU memory), and a
+    memory key on a trace without memory events falls back to self_device_time; `meta["note"]` says so.
     """
     analysis = _analysis(trace)
     requested = canonical_sort_key(sort_by)
     used, note = requested, None
-    if not analysis.device and requested in _CPU_TWIN:
-        used = _CPU_TWIN[requested]
-        note = f"the trace has no device activity (CPU trace): sorted by {used} instead of {requested}"
+    if requested in _MEMORY_KEYS and not analysis.memory:
+        used = "self_device_time"
+        note = (f"the trace has no memory events (record with profile_memory=True): sorted by {used} "
+                f"instead of {requested}")
+    if not analysis.device and used in _CPU_TWIN:
+        twin = _CPU_TWIN[used]
+        note = (note + f", then by {twin}" if note else
+                f"the trace has no device activity (CPU trace): sorted by {twin} instead of {used}")
+        used = twin
 
     totals: dict[str, dict] = {}
     for ev in analysis.host:
@@ -510,13 +570,15 @@ def top_operators(trace, sort_by: str = "self_device_time", limit: int | None = 
             continue
         row = totals.setdefault(ev.name, {
             "name": ev.name, "calls": 0, "self_cpu_us": 0.0, "cpu_us": 0.0,
-            "self_device_us": 0.0, "device_us": 0.0,
+            "self_device_us": 0.0, "device_us": 0.0, **dict.fromkeys(_MEMORY_FIELDS, 0),
         })
         row["calls"] += 1
         row["cpu_us"] += ev.dur
         row["self_cpu_us"] += max(0.0, ev.dur - ev.children_us)
         row["self_device_us"] += ev.device_self_us
         row["device_us"] += ev.device_total_us
+        for field, size in (ev.memory or {}).items():
+            row[field] += size
     field = SORT_KEYS[used]
     rows = sorted(totals.values(), key=lambda row: (-row[field], row["name"]))
     meta = {
@@ -524,6 +586,7 @@ def top_operators(trace, sort_by: str = "self_device_time", limit: int | None = 
         "sort_by": used,
         "note": note,
         "has_device": bool(analysis.device),
+        "has_memory": bool(analysis.memory),
         "operators": len(rows),
         "unattributed_device_us": analysis.unattributed_device_us,
     }
@@ -664,9 +727,14 @@ def _first(rows: list, limit: int | None) -> list:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _operator_columns(has_device: bool) -> tuple[str, ...]:
-    """Printed operator columns: the device ones would be all zeros on a CPU trace, so leave them out."""
-    return OPERATOR_COLUMNS if has_device else OPERATOR_COLUMNS[:4]
+def _operator_columns(meta: dict) -> tuple[str, ...]:
+    """Printed operator columns, without those that would be all zeros (device on CPU, memory unrecorded)."""
+    columns = ("name", "calls", "self_cpu_us", "cpu_us")
+    if meta["has_device"]:
+        columns += ("self_device_us", "device_us")
+    if meta["has_memory"]:
+        columns += ("self_cpu_mem_bytes",) + (("self_device_mem_bytes",) if meta["has_device"] else ())
+    return columns
 
 
 def _column_spec(columns) -> list[tuple[str, str]]:
@@ -761,11 +829,12 @@ def _headline(summary: dict) -> list[str]:
     return lines
 
 
-def write_reports(trace_or_path, out_dir, sort_by: str = "self_device_time", limit: int | None = 20) -> dict:
+def write_reports(trace_or_path, out_dir, sort_by: str = "self_device_time",
+                  limit: int | None = 20) -> ReportFiles:
     """Write operators.csv, kernels.csv, phases.csv (every row) and summary.md (top `limit` rows) to out_dir.
 
-    Returns {"operators.csv": Path, "kernels.csv": Path, "phases.csv": Path, "summary.md": Path,
-    "summary": summarize(...) plus the sort key used}.
+    Returns {"operators.csv": Path, "kernels.csv": Path, "phases.csv": Path, "summary.md": Path}; its
+    `.summary` attribute holds summarize(...) plus "sort_by", the operator sort key actually used.
     """
     trace = _trace_of(trace_or_path)
     out_dir = Path(out_dir)
@@ -783,17 +852,18 @@ def write_reports(trace_or_path, out_dir, sort_by: str = "self_device_time", lim
 
     md = [f"# Profile summary: {trace.path.name if trace.path else 'trace'}", ""]
     md += [f"- {line}" for line in _headline(summary)]
-    md += ["", f"## Time per phase ({phases['label']})", "", _markdown_table(phases["rows"], PHASE_COLUMNS), ""]
+    md += ["", f"## Time per phase ({phases['label']})", ""]
+    md += [_markdown_table(phases["rows"], PHASE_COLUMNS), ""]
     md += [f"- `{phase}`: {meaning}" for phase, meaning in PHASE_LEGEND.items()]
     md += ["", f"## Top operators by {operators.meta['sort_by']}", ""]
     if operators.meta["note"]:
         md += [f"_Note: {operators.meta['note']}._", ""]
-    md += [_markdown_table(_first(operators, limit), _operator_columns(operators.meta["has_device"]))]
+    md += [_markdown_table(_first(operators, limit), _operator_columns(operators.meta))]
     md += ["", "## Top kernels by total device time", ""]
     md += [_markdown_table(_first(kernels, limit), KERNEL_COLUMNS) if kernels else
            "_No device kernels in this trace (CPU trace)._", ""]
     paths["summary.md"].write_text("\n".join(md))
-    return {**paths, "summary": summary}
+    return ReportFiles(paths, summary)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -814,7 +884,7 @@ def _positive_or_zero(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m tinytransformer.reports",
-        description="Operator, kernel and phase tables from a torch.profiler Chrome trace (.json or .json.gz).",
+        description="Operator, kernel and phase tables from a torch.profiler trace (.json or .json.gz).",
     )
     parser.add_argument("trace", help="trace written by torch.profiler's export_chrome_trace")
     parser.add_argument("--sort-by", default="self_device_time", metavar="KEY",
@@ -851,7 +921,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out += ["", f"Top operators by {operators.meta['sort_by']}:"]
     if operators.meta["note"]:
         out.append(f"(note: {operators.meta['note']})")
-    out.append(format_table(operators, _operator_columns(operators.meta["has_device"])))
+    out.append(format_table(operators, _operator_columns(operators.meta)))
     if kernels:
         out += ["", "Top kernels by total device time:", format_table(kernels, KERNEL_COLUMNS)]
 
@@ -860,7 +930,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             paths = write_reports(trace, args.output_dir, sort_by=args.sort_by, limit=args.limit)
         except OSError as err:
             _fail(parser, f"cannot write reports to {args.output_dir}: {err.strerror or err}")
-        out += ["", "Wrote: " + ", ".join(str(p) for name, p in paths.items() if name != "summary")]
+        out += ["", "Wrote: " + ", ".join(str(path) for path in paths.values())]
     try:
         print("\n".join(out))
     except BrokenPipeError:  # piped into `head`: the reader has what it wanted; silence the exit flush

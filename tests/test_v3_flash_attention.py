@@ -1,0 +1,225 @@
+"""Tests of version 3's flash-attention op (forward and backward, with and without RoPE on load).
+
+Every case compares against attention computed in float64 by PyTorch with an explicit S x S softmax, on
+fresh random inputs. On a machine without a GPU the kernels run in Triton's interpreter, so CPU cases use
+short sequences; long sequences, head dim 128, bfloat16 and the memory check are gpu-marked.
+"""
+import math
+
+import pytest
+import torch
+
+from tinytransformer.triton_support import interpreter_active
+from version3_triton.kernels import flash_attention as fa
+
+HAS_GPU = torch.cuda.is_available()
+# Relative error ||out - ref|| / ||ref|| allowed per input dtype (float32: exact float32 matmuls).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# float32 through tf32 tensor cores (the GPU default): the inputs of every matmul keep 10 mantissa bits, as
+# in float16, and attention chains four matmuls; a float64 simulation of that truncation gives ~2e-3.
+TF32_TOLERANCE = 5e-3
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_buffers(monkeypatch):
+    """Every buffer the op allocates starts as NaN, so an element a kernel never writes fails the test."""
+    monkeypatch.setattr(fa, "FILL_NEW_BUFFERS_WITH_NAN", True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------------------
+def rope_tables(seq_len, head_dim, theta=10000.0, device=None):
+    """cos, sin: float32 [seq_len, head_dim] for RoPE in the rotate-half convention (halves repeat)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def reference_attention(q, k, v, causal, sm_scale, rope=None):
+    """Plain attention on float64 copies; q and k are rotated first when rope=(cos, sin) is given."""
+    seq_len = q.shape[-2]
+    if rope is not None:
+        cos, sin = (table[:seq_len].double() for table in rope)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+    scores = q @ k.transpose(-1, -2) * sm_scale
+    if causal:
+        future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def relative_error(got, want):
+    """||got - want|| / ||want|| in float64; NaN or inf anywhere gives inf.
+
+    With S = 1 the only key gets weight 1 whatever q and k are, so dq = dk = 0 exactly: the error is then
+    measured in absolute terms (the kernel's rounding leaves ~1e-7).
+    """
+    got = got.double()
+    if not torch.isfinite(got).all():
+        return math.inf
+    scale = want.norm().item()
+    return (got - want).norm().item() / (scale if scale > 0 else 1.0)
+
+
+def check_against_reference(batch, heads, seq_len, head_dim, dtype, device, causal=True, use_rope=False,
+                            sm_scale=None, precise_fp32=True, tolerance=None):
+    """Run forward and backward through flash_attention and through the float64 reference; compare all."""
+    shape = (batch, heads, seq_len, head_dim)
+    q, k, v = (torch.randn(shape, device=device).to(dtype).requires_grad_() for _ in range(3))
+    grad_out = torch.randn(shape, device=device).to(dtype)
+    # Tables longer than the sequence, as a model precomputes them for its maximum length.
+    rope = rope_tables(seq_len + 5, head_dim, device=device) if use_rope else None
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    out = fa.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, rope=rope, precise_fp32=precise_fp32)
+    out.backward(grad_out)
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = reference_attention(q64, k64, v64, causal, scale, rope)
+    want.backward(grad_out.double())
+
+    tolerance = tolerance or TOLERANCE[dtype]
+    assert out.dtype == dtype and out.shape == shape
+    for name, got, ref in (("out", out, want), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad),
+                           ("dv", v.grad, v64.grad)):
+        error = relative_error(got, ref)
+        assert error < tolerance, f"{name}: relative error {error:.2e} >= {tolerance:.0e} for {shape} {dtype}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU (interpreter) and GPU: small shapes
+# ----------------------------------------------------------------------------------------------------------
+# (batch, heads, seq_len, head_dim): sequence lengths of one row, below, at and past whole blocks (the
+# interpreter's blocks are 32 queries x 16 keys; a GPU's are 64 or 128 x 32 or 64).
+PLAIN_SHAPES = [(1, 2, 1, 32), (2, 1, 37, 32), (1, 2, 64, 32), (1, 2, 100, 32), (1, 1, 129, 32),
+                (1, 2, 37, 64), (2, 1, 100, 64), (1, 1, 37, 16), (1, 1, 37, 128)]
+ROPE_SHAPES = [(1, 2, 1, 32), (2, 1, 37, 32), (1, 2, 100, 32), (1, 1, 64, 64), (1, 1, 37, 16),
+               (1, 1, 37, 128)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", PLAIN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_causal_matches_reference(shape, dtype, device):
+    check_against_reference(*shape, dtype, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_rope_on_load_matches_reference(shape, dtype, device):
+    check_against_reference(*shape, dtype, device, use_rope=True)
+
+
+@pytest.mark.parametrize("use_rope", [False, True], ids=["plain", "rope"])
+def test_non_causal_matches_reference(use_rope, device):
+    check_against_reference(2, 1, 37, 32, torch.float32, device, causal=False, use_rope=use_rope)
+
+
+def test_custom_scale_and_head_dim_128(device):
+    check_against_reference(1, 1, 37, 128, torch.float32, device, sm_scale=0.3)
+
+
+def test_non_contiguous_inputs_and_broadcast_grad(device):
+    """A transposed [B, S, H, Dh] view (what a model produces) and the zero-stride gradient of out.sum()."""
+    batch, seq_len, heads, head_dim = 1, 37, 2, 32
+    base = [torch.randn(batch, seq_len, heads, head_dim, device=device, requires_grad=True) for _ in range(3)]
+    q, k, v = (t.transpose(1, 2) for t in base)
+    assert not q.is_contiguous()
+    fa.flash_attention(q, k, v).sum().backward()
+
+    q64, k64, v64 = (t.detach().double().transpose(1, 2).requires_grad_() for t in base)
+    reference_attention(q64, k64, v64, True, 1.0 / math.sqrt(head_dim)).sum().backward()
+    for got, want in ((base[0].grad, q64.grad), (base[1].grad, k64.grad), (base[2].grad, v64.grad)):
+        assert relative_error(got.transpose(1, 2), want) < TOLERANCE[torch.float32]
+
+
+def test_backward_is_deterministic(device):
+    """Each gradient element is written by one program (no atomics): two runs agree bit for bit."""
+    q, k, v = (torch.randn(1, 2, 37, 32, device=device, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(1, 2, 37, 32, device=device)
+    cos, sin = rope_tables(37, 32, device=device)
+    grads = []
+    for _ in range(2):
+        q.grad = k.grad = v.grad = None
+        fa.flash_attention(q, k, v, rope=(cos, sin)).backward(grad_out)
+        grads.append([q.grad.clone(), k.grad.clone(), v.grad.clone()])
+    for first, second in zip(*grads):
+        assert torch.equal(first, second)
+
+
+def test_nan_fill_hook_is_active():
+    """The autouse fixture really poisons the buffers the op allocates (else the tests above prove less)."""
+    assert torch.isnan(fa._new_buffer((3, 4), torch.float32, torch.device("cpu"))).all()
+
+
+def test_rejects_bad_inputs(device):
+    q = torch.randn(1, 2, 8, 48, device=device)
+    with pytest.raises(ValueError, match="head dim"):
+        fa.flash_attention(q, q, q)
+    q = torch.randn(1, 2, 8, 32, device=device)
+    with pytest.raises(ValueError, match="rope"):
+        fa.flash_attention(q, q, q, rope=rope_tables(4, 32, device=device))
+    with pytest.raises(ValueError, match="dtype"):
+        fa.flash_attention(q, q, q.half())
+
+
+@pytest.mark.skipif(not interpreter_active(), reason="only Triton's interpreter gets bfloat16 matmuls wrong")
+def test_bfloat16_refused_in_interpreter():
+    q = torch.randn(1, 1, 16, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="interpreter"):
+        fa.flash_attention(q, q, q)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU only: long sequences, every head dim, bfloat16, tf32, memory
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_rope", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("seq_len", [129, 1000, 4096])
+def test_long_sequences_gpu(seq_len, head_dim, dtype, use_rope, device):
+    check_against_reference(1, 2, seq_len, head_dim, dtype, device, use_rope=use_rope)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_more_heads_and_non_causal_gpu(head_dim, causal, device):
+    check_against_reference(3, 5, 300, head_dim, torch.float16, device, causal=causal, use_rope=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_len", [129, 1000])
+def test_tf32_default_gpu(seq_len, device):
+    """float32 without precise_fp32: tf32 tensor cores on NVIDIA (ieee on AMD), a looser tolerance."""
+    check_against_reference(1, 2, seq_len, 64, torch.float32, device, precise_fp32=False,
+                            tolerance=TF32_TOLERANCE)
+
+
+@pytest.mark.gpu
+def test_memory_stays_far_below_score_matrix_gpu(device):
+    """Forward + backward at S = 4096 never holds anything like the B*H x S x S score matrix."""
+    batch, heads, seq_len, head_dim = 1, 8, 4096, 64
+    q, k, v = (torch.randn(batch, heads, seq_len, head_dim, device=device, dtype=torch.float16,
+                           requires_grad=True) for _ in range(3))
+    grad_out = torch.randn_like(q)
+    fa.flash_attention(q, k, v).backward(grad_out)  # compile first: not part of the measurement
+    q.grad = k.grad = v.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fa.flash_attention(q, k, v).backward(grad_out)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    score_matrix_bytes = batch * heads * seq_len * seq_len * 2
+    # out, dq, dk, dv: 4 MiB each here (lse and delta: 128 KiB), against 256 MiB of float16 scores.
+    assert extra < score_matrix_bytes / 8, \
+        f"{extra / 2**20:.0f} MiB used; the score matrix alone is {score_matrix_bytes / 2**20:.0f} MiB"

@@ -1,0 +1,230 @@
+"""Cross-version benchmark: every version at one configuration, one table, one JSON.
+
+    python benchmarks/compare_versions.py                          (small and fast: seed config, 30 steps)
+    python benchmarks/compare_versions.py --num-steps 200 --dtype bfloat16 --output results.json
+    python benchmarks/compare_versions.py --sweep --num-steps 60   (batch {4,8,16,32} x seq {128,...,1024})
+
+Why fresh processes: each variant runs its own training script in a new Python process, exactly as a workshop
+attendee runs it. Nothing leaks between variants (version 4's TF32 switch, torch.compile caches, the CUDA
+caching allocator's pools), and the first variant does not pay everyone's warm-up.
+
+Why they can be compared: every version initialises from the same canonical weights for the same --seed and
+reads the same batches (a function of seed and step), so their losses must agree step by step up to floating
+point; the benchmark checks that before it reports any speed. Timing is the harness's: device events around
+each step, warm-up steps excluded, median of the rest. Kernels per step come from a short profiled window of
+the same run (those steps are excluded from the timing).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = {
+    "v1": "version1_pytorch_baseline/tiny_llama_v1.py",
+    "v2": "version2_pytorch_fused/tiny_llama_v2.py",
+    "v3": "version3_triton/tiny_llama_v3.py",
+    "v4": "version4_triton_ultra/tiny_llama_v4.py",
+}
+# label -> (version, extra flags)
+VARIANTS = {
+    "v1": ("v1", []),
+    "v2": ("v2", []),
+    "v2+compile": ("v2", ["--enable-torch-compile", "--torch-compile-mode", "reduce-overhead"]),
+    "v3": ("v3", []),
+    "v4": ("v4", []),
+}
+SWEEP_BATCHES = (4, 8, 16, 32)
+SWEEP_SEQ_LENS = (128, 256, 512, 1024)
+# Losses of different versions agree to floating point at the first step; later, rounding differences are
+# amplified by training, so the final losses are compared with a looser bound.
+FIRST_LOSS_RTOL = {"float32": 2e-3, "bfloat16": 2e-2}
+FINAL_LOSS_RTOL = 0.05
+
+
+def run_variant(label, args, batch, seq, out_dir: Path) -> dict:
+    version, extra = VARIANTS[label]
+    json_path = out_dir / f"{label}_b{batch}_s{seq}.json"
+    command = [sys.executable, str(REPO_ROOT / SCRIPTS[version]),
+               "--batch-size", str(batch), "--seq-len", str(seq), "--max-seq-len", str(max(seq, 128)),
+               "--num-steps", str(args.num_steps), "--warmup-steps", str(args.warmup_steps),
+               "--seed", str(args.seed), "--device", args.device, "--log-every", str(args.num_steps),
+               "--output-json", str(json_path), *extra]
+    if args.dtype == "bfloat16":
+        command += ["--use-amp", "--amp-dtype", "bfloat16"]
+    if args.profile:
+        command += ["--enable-pytorch-profiler", "--profile-steps", "2", "--profile-dir", str(out_dir / f"prof_{label}")]
+    command += args.extra
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    row = {"variant": label, "version": version, "batch_size": batch, "seq_len": seq, "dtype": args.dtype,
+           "command": shlex.join([Path(command[1]).name] + command[2:]), "wall_s": time.perf_counter() - started}
+    if result.returncode != 0:
+        lines = (result.stderr or result.stdout).strip().splitlines()
+        row["error"] = lines[-1] if lines else f"exit code {result.returncode}"
+        return row
+    metrics = json.loads(json_path.read_text())
+    row.update({
+        "samples_per_s": metrics["throughput"]["samples_per_s"],
+        "tokens_per_s": metrics["throughput"]["tokens_per_s"],
+        "median_step_ms": metrics["timing"]["median_ms"],
+        "p10_step_ms": metrics["timing"]["p10_ms"],
+        "p90_step_ms": metrics["timing"]["p90_ms"],
+        "mfu": metrics["throughput"]["mfu"],
+        "peak_memory_mib": metrics["memory"]["peak_allocated_mib"],
+        "kernels_per_step": (metrics.get("profile") or {}).get("kernels_per_step"),
+        "first_loss": metrics["loss"]["first"],
+        "final_loss": metrics["loss"]["final"],
+        "variant_description": metrics.get("variant"),
+        "device": metrics["device"],
+    })
+    return row
+
+
+def check_agreement(rows: list[dict], dtype: str) -> list[str]:
+    """Problems found comparing each variant's losses with v1's at the same configuration."""
+    problems = []
+    baseline = {(r["batch_size"], r["seq_len"]): r for r in rows if r["variant"] == "v1" and "error" not in r}
+    for row in rows:
+        ref = baseline.get((row["batch_size"], row["seq_len"]))
+        if ref is None or row is ref or "error" in row:
+            continue
+        for key, rtol in (("first_loss", FIRST_LOSS_RTOL[dtype]), ("final_loss", FINAL_LOSS_RTOL)):
+            if abs(row[key] - ref[key]) > rtol * abs(ref[key]):
+                problems.append(f"{row['variant']} b{row['batch_size']} s{row['seq_len']}: {key} {row[key]:.4f} "
+                                f"vs v1 {ref[key]:.4f} (allowed relative difference {rtol})")
+    return problems
+
+
+def add_speedups(rows: list[dict]) -> None:
+    baseline = {(r["batch_size"], r["seq_len"]): r.get("samples_per_s") for r in rows if r["variant"] == "v1"}
+    for row in rows:
+        ref = baseline.get((row["batch_size"], row["seq_len"]))
+        row["speedup_vs_v1"] = row["samples_per_s"] / ref if ref and row.get("samples_per_s") else None
+
+
+def fmt(value, spec):
+    return format(value, spec) if isinstance(value, (int, float)) else "n/a"
+
+
+def table(rows: list[dict]) -> str:
+    header = ("variant", "batch", "seq", "samples/s", "tokens/s", "step ms", "peak MiB", "kernels/step",
+              "vs v1", "final loss")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['batch_size']} | {r['seq_len']} | failed: {r['error']} |")
+            continue
+        cells = (r["variant"], str(r["batch_size"]), str(r["seq_len"]), fmt(r["samples_per_s"], ",.0f"),
+                 fmt(r["tokens_per_s"], ",.0f"), fmt(r["median_step_ms"], ".2f"), fmt(r["peak_memory_mib"], ",.0f"),
+                 fmt(r["kernels_per_step"], ".0f"), fmt(r["speedup_vs_v1"], ".2f") + "x", fmt(r["final_loss"], ".4f"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    import torch
+    info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["backend"] = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
+    return info
+
+
+def plot(rows: list[dict], path: Path) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib): no plot written"
+    configs = sorted({(r["batch_size"], r["seq_len"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(max(6, len(configs) * 0.6), 4))
+    for label in VARIANTS:
+        points = {(r["batch_size"], r["seq_len"]): r.get("samples_per_s") for r in rows if r["variant"] == label}
+        if points:
+            ax.plot(range(len(configs)), [points.get(c) or float("nan") for c in configs], marker="o", label=label)
+    ax.set_xticks(range(len(configs)), [f"b{b}\ns{s}" for b, s in configs], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("samples/s (median)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"plot: {path}"
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description="Benchmark TinyLlama versions 1-4 at one configuration.")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--sweep", action="store_true",
+                        help=f"batch sizes {SWEEP_BATCHES} x seq lens {SWEEP_SEQ_LENS} instead of one configuration")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--num-steps", type=int, default=30)
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="skip the profiled window (no kernels/step column)")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds allowed per run")
+    parser.add_argument("--output", help="write the results JSON here")
+    parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument("extra", nargs="*", help="flags passed to every run, after --")
+    args = parser.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}")
+    if args.warmup_steps >= args.num_steps:
+        parser.error("--warmup-steps must be smaller than --num-steps")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    configs = ([(b, s) for s in SWEEP_SEQ_LENS for b in SWEEP_BATCHES] if args.sweep
+               else [(args.batch_size, args.seq_len)])
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for batch, seq in configs:
+            for label in args.variants:
+                row = run_variant(label, args, batch, seq, Path(scratch))
+                status = row.get("error") or f"{row['samples_per_s']:,.0f} samples/s"
+                print(f"  {label:<11} b{batch:<3} s{seq:<5} {status}", flush=True)
+                rows.append(row)
+    add_speedups(rows)
+    problems = check_agreement(rows, args.dtype)
+    print()
+    print(table(rows))
+    print("loss agreement with v1: " + ("ok" if not problems else "PROBLEMS"))
+    for problem in problems:
+        print(f"  {problem}")
+    results = {"command": shlex.join(["python", "benchmarks/compare_versions.py", *(sys.argv[1:] if argv is None
+                                                                                     else argv)]),
+               "environment": environment(), "dtype": args.dtype, "num_steps": args.num_steps,
+               "warmup_steps": args.warmup_steps, "rows": rows, "loss_agreement_problems": problems}
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(results, indent=2))
+        print(f"results: {args.output}")
+    if args.plot:
+        print(plot(rows, Path(args.plot)))
+    failed = any("error" in r for r in rows)
+    return 1 if (failed or problems) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

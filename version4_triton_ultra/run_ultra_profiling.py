@@ -1,0 +1,135 @@
+"""Kernels per training step, and GPU time per kernel family, for versions 1-4 side by side.
+
+Each version is profiled in a fresh process (so one version's global settings, such as version 4's TF32 switch,
+cannot leak into another) with the PyTorch profiler, at the same configuration. The traces are then analysed
+with tinytransformer.reports, so the kernel counts quoted in the docs are measured, not asserted.
+
+    python run_ultra_profiling.py                        (seed config, float32, all four versions)
+    python run_ultra_profiling.py --use-amp --versions v2,v4 --output-dir ultra_profiles
+    python run_ultra_profiling.py --analyze-only ultra_profiles     (re-analyse traces already recorded)
+
+Any training flag after `--` is passed to every version (e.g. `-- --batch-size 32 --seq-len 512`).
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from tinytransformer import reports  # noqa: E402
+
+SCRIPTS = {
+    "v1": REPO_ROOT / "version1_pytorch_baseline" / "tiny_llama_v1.py",
+    "v2": REPO_ROOT / "version2_pytorch_fused" / "tiny_llama_v2.py",
+    "v3": REPO_ROOT / "version3_triton" / "tiny_llama_v3.py",
+    "v4": REPO_ROOT / "version4_triton_ultra" / "tiny_llama_v4.py",
+}
+
+# Kernel families, matched in order against the lower-cased kernel name. Vendor libraries name their GEMMs
+# differently (cuBLAS: gemm/sm90_xmma/nvjet/cutlass; hipBLASLt: Cijk_...), Triton kernels carry the name of
+# their Python function.
+FAMILIES = [
+    ("gemm", r"gemm|xmma|nvjet|cutlass|cijk_|matmul|splitk"),
+    ("attention", r"flash|attention|fmha|sdpa|softmax"),
+    ("rmsnorm", r"rms_norm|rmsnorm"),
+    ("rope", r"rope"),
+    ("swiglu", r"swiglu|silu"),
+    ("cross_entropy", r"cross_entropy|log_softmax|nll_loss"),
+    ("optimizer", r"adam|foreach|multi_tensor"),
+    ("copy / layout", r"copy|transpose|cat|memcpy|memset|fill|index"),
+    ("reduction", r"reduce"),
+    ("element-wise", r"elementwise|vectorized|unrolled|triton_"),
+]
+
+
+def family_of(kernel_name: str) -> str:
+    name = kernel_name.lower()
+    for family, pattern in FAMILIES:
+        if re.search(pattern, name):
+            return family
+    return "other"
+
+
+def profile_version(version: str, out_dir: Path, train_flags: list[str]) -> Path:
+    profile_dir = out_dir / version
+    command = [sys.executable, str(SCRIPTS[version]), "--enable-pytorch-profiler", "--profile-dir",
+               str(profile_dir), "--num-steps", "12", "--profile-steps", "3", "--log-every", "100", *train_flags]
+    print(f"[{version}] {' '.join(command)}", flush=True)
+    result = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
+    (out_dir / f"{version}.log").write_text(result.stdout + result.stderr)
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"{version} failed (exit {result.returncode}): {last}")
+    return profile_dir / f"trace_{version}.json"
+
+
+def analyse(trace_path: Path) -> dict:
+    trace = reports.load_trace(trace_path)
+    steps = max(1, len(reports.profiler_steps(trace)))
+    per_family = defaultdict(float)
+    for kernel in reports.device_kernels(trace, include_memory_ops=True):
+        if kernel["step"] is not None:
+            per_family[family_of(kernel["name"])] += kernel["dur_us"] / steps
+    return {"kernels_per_step": reports.kernels_per_step(trace),
+            "device_us_per_step": sum(per_family.values()),
+            "family_us_per_step": dict(per_family)}
+
+
+def print_table(results: dict) -> None:
+    families = [f for f, _ in FAMILIES] + ["other"]
+    families = [f for f in families if any(r["family_us_per_step"].get(f) for r in results.values())]
+    header = ["version", "kernels/step", "GPU us/step"] + families
+    rows = [header]
+    for version, r in results.items():
+        kps = r["kernels_per_step"]
+        rows.append([version, f"{kps:.0f}" if kps is not None else "n/a", f"{r['device_us_per_step']:.0f}"]
+                    + [f"{r['family_us_per_step'].get(f, 0.0):.0f}" for f in families])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for i, row in enumerate(rows):
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    print("(GPU time per family in microseconds per training step, from the profiled steps)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--versions", default="v1,v2,v3,v4", help="comma-separated subset of v1,v2,v3,v4")
+    parser.add_argument("--output-dir", default="ultra_profiles", help="traces, logs and results.json go here")
+    parser.add_argument("--use-amp", action="store_true", help="bfloat16 autocast for every version")
+    parser.add_argument("--analyze-only", metavar="DIR", help="analyse the traces in DIR, record nothing")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    versions = [v.strip() for v in args.versions.split(",") if v.strip()]
+    unknown = [v for v in versions if v not in SCRIPTS]
+    if unknown:
+        parser.exit(2, f"{parser.prog}: error: unknown version(s) {', '.join(unknown)}; use v1,v2,v3,v4\n")
+    if args.use_amp:
+        train_flags = ["--use-amp", "--amp-dtype", "bfloat16", *train_flags]
+    out_dir = Path(args.analyze_only or args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for version in versions:
+        trace = out_dir / version / f"trace_{version}.json"
+        try:
+            if not args.analyze_only:
+                trace = profile_version(version, out_dir, train_flags)
+            results[version] = analyse(trace)
+        except (RuntimeError, reports.TraceError) as error:
+            print(f"{parser.prog}: error: {error}", file=sys.stderr)
+            return 1 if not args.analyze_only else 2
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    print_table(results)
+    print(f"results: {out_dir / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Version 4: ultra-fused TinyLlama. Fewest kernels per step, and the whole step replayed from one graph.
+
+What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llama_v4.py`):
+  1. Residual add + RMSNorm in one kernel (kernels/add_rmsnorm.py): writes the new residual stream AND the
+     normalised activations of the next sub-layer in one pass; the backward is one pass too.
+  2. RoPE inside attention: q and k are rotated as the flash-attention kernel loads them (and the gradients
+     rotated back as it stores them), so the separate RoPE pass of version 3 disappears.
+  3. q, k, v are made contiguous with ONE copy of the fused QKV output instead of three.
+  4. LM head + cross-entropy fused and chunked (kernels/linear_cross_entropy.py): the float32 logits of the
+     whole batch never exist; the loss kernel writes d(loss)/d(logits) in place, so backward is two GEMMs.
+  5. Fused AdamW (`torch.optim.AdamW(fused=True)`): one kernel for all parameters instead of a dozen.
+  6. CUDA/HIP graph: after a few eager warm-up steps, forward + backward + optimizer are captured ONCE and every
+     later step is a single graph replay: no Python, no per-kernel launch cost (--no-cuda-graph to compare).
+  7. TF32 tensor cores for float32 matmuls (--no-tf32 for exact float32): the same precision Triton already
+     uses for float32 tl.dot.
+
+The function is still version 1's model: tests load the same canonical weights and compare logits, loss and
+every gradient. When `targets` are given the logits are not materialised and forward returns (None, loss).
+"""
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
+
+from tinytransformer.triton_support import enable_interpreter_if_no_gpu, interpreter_active  # noqa: E402
+
+enable_interpreter_if_no_gpu()  # must precede the first `import triton` (inside the kernel modules)
+
+from tinytransformer.cli import VersionSpec, run  # noqa: E402
+from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402
+from tinytransformer.profiling import profile_range  # noqa: E402
+from tinytransformer.trainer import EagerStep  # noqa: E402
+from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
+                                     init_canonical_weights, split)
+from version3_triton.kernels.flash_attention import flash_attention  # noqa: E402
+from version3_triton.kernels.rope import rope_tables  # noqa: E402
+from version3_triton.kernels.swiglu import swiglu_fused  # noqa: E402
+from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm  # noqa: E402
+from version4_triton_ultra.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+
+
+class Attention(nn.Module):
+    """Fused QKV GEMM -> one copy into [3, B, H, S, Dh] -> flash attention with RoPE on load -> output GEMM."""
+
+    exact_float32 = False   # True: float32 dot products in IEEE float32 instead of TF32 (tests, debugging)
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d = config.hidden_dim
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.qkv_proj = nn.Linear(d, 3 * d, bias=False)   # rows: [q; k; v]
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        batch, seq, dim = x.shape
+        with profile_range("attention"):
+            qkv = self.qkv_proj(x).view(batch, seq, 3, self.num_heads, self.head_dim)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).contiguous().unbind(0)   # one copy, three contiguous tensors
+            out = flash_attention(q, k, v, causal=True, rope=(cos, sin), precise_fp32=self.exact_float32)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class FeedForward(nn.Module):
+    """One gate/up GEMM -> one SwiGLU pass over its two halves -> down GEMM."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, f = config.hidden_dim, config.intermediate_size
+        self.gate_up_proj = nn.Linear(d, 2 * f, bias=False)   # rows: [gate; up]
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        with profile_range("ffn"):
+            return self.down_proj(swiglu_fused(self.gate_up_proj(x)))
+
+
+class Norm(nn.Module):
+    """Holds an RMSNorm weight; the computation happens in the fused add + RMSNorm kernel of the caller."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block whose norms are fused with the residual adds around them.
+
+    Version 1 computes  h = h + attn(norm1(h));  h = h + ffn(norm2(h)).
+    Here each block receives the residual stream h AND norm1(h) (computed by the previous kernel), and returns
+    the new h and the next block's normalised input, produced by one add + RMSNorm kernel each time.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.attention_norm = Norm(config.hidden_dim)
+        self.attention = Attention(config)
+        self.ffn_norm = Norm(config.hidden_dim)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, h, normed, cos, sin, next_norm_weight):
+        attn_out = self.attention(normed, cos, sin)
+        with profile_range("rmsnorm"):
+            h, normed = add_rms_norm(h, attn_out, self.ffn_norm.weight, self.eps)
+        ffn_out = self.feed_forward(normed)
+        with profile_range("rmsnorm"):
+            # The add closing this block and the norm opening the next one (or the final norm): one kernel.
+            return add_rms_norm(h, ffn_out, next_norm_weight, self.eps)
+
+
+WEIGHT_GROUPS = {**QKV_GROUP, **GATE_UP_GROUP}
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.norm = Norm(config.hidden_dim)
+        self.lm_head = nn.Linear(config.hidden_dim, config.vocab_size, bias=False)
+        cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.use_fused_adamw = True
+        self.capturable_optimizer = False
+        self.load_canonical(init_canonical_weights(config, seed=0))
+
+    def forward(self, input_ids, targets=None):
+        seq = input_ids.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.embed_tokens(input_ids)
+        with profile_range("rmsnorm"):
+            h, normed = add_rms_norm(h, None, self.layers[0].attention_norm.weight, self.config.rms_norm_eps)
+        for i, layer in enumerate(self.layers):
+            is_last = i + 1 == len(self.layers)
+            next_weight = self.norm.weight if is_last else self.layers[i + 1].attention_norm.weight
+            h, normed = layer(h, normed, cos, sin, next_weight)
+        if targets is None:
+            with profile_range("output_head"):
+                return self.lm_head(normed), None
+        with profile_range("loss"):
+            # Output head and loss in one chunked op: the [B*S, V] float32 logits are never built.
+            return None, linear_cross_entropy(normed, self.lm_head.weight, targets)
+
+    def configure_optimizer(self, train):
+        """Fused AdamW on the GPU: one multi-tensor kernel updates every parameter. `capturable` keeps the step
+        counter on the device, which a CUDA/HIP graph replay needs."""
+        on_gpu = next(self.parameters()).is_cuda
+        fused = on_gpu and self.use_fused_adamw
+        return torch.optim.AdamW(self.parameters(), lr=train.learning_rate, betas=(0.9, 0.95),
+                                 weight_decay=train.weight_decay, fused=fused or None,
+                                 capturable=on_gpu and self.capturable_optimizer)
+
+    def use_exact_float32(self, exact: bool = True):
+        """Float32 attention dot products in IEEE float32 rather than TF32 (equivalence tests use this)."""
+        for layer in self.layers:
+            layer.attention.exact_float32 = exact
+
+    # Fused matrices are the canonical (version 1) ones concatenated along the output dimension.
+    def load_canonical(self, state_dict):
+        check_canonical(state_dict, self.config)
+        fused = fuse(state_dict, WEIGHT_GROUPS)
+        with torch.no_grad():
+            for name, tensor in self.state_dict().items():
+                tensor.copy_(fused[name])
+
+    def canonical_state_dict(self):
+        return self.to_canonical({name: tensor.detach().clone() for name, tensor in self.state_dict().items()})
+
+    def to_canonical(self, tensors: dict) -> dict:
+        """Any per-parameter tensors of this model (weights, gradients) in the canonical layout."""
+        return split(tensors, WEIGHT_GROUPS)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The graph-captured training step
+# ----------------------------------------------------------------------------------------------------------
+class GraphedStep:
+    """forward + backward + optimizer captured once in a CUDA/HIP graph, then replayed every step.
+
+    The first `warmup_steps` steps run eagerly on a side stream: they are real training steps (their losses
+    count) and they make every lazy allocation (optimizer state, cuBLAS workspaces, Triton compilation) happen
+    before the capture, as graph capture requires. Then the step is captured reading its batch from static
+    buffers; each later call copies the batch in and replays the graph. The loss stays on the device: the
+    trainer reads it only when it prints.
+    """
+
+    supports_breakdown = False
+
+    def __init__(self, model, optimizer, device, train, warmup_steps: int = 3):
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.autocast_dtype = getattr(torch, train.amp_dtype) if train.use_amp else None
+        self.warmup_steps, self.calls = warmup_steps, 0
+        self.graph = None
+        self.side_stream = torch.cuda.Stream(device)
+
+    def _step(self, inputs, targets):
+        # cache_enabled=False: autocast's weight-cast cache would hold tensors created outside the graph.
+        with torch.autocast("cuda", dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None, cache_enabled=False):
+            with profile_range("forward"):
+                _, loss = self.model(inputs, targets)
+        with profile_range("backward"):
+            loss.backward()
+        with profile_range("optimizer"):
+            self.optimizer.step()
+        return loss.detach()
+
+    def _capture(self, inputs, targets):
+        self.static_inputs, self.static_targets = inputs.clone(), targets.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        # Gradients set to None: the captured backward allocates them in the graph's memory pool and every
+        # replay overwrites them in place, so no zero_grad is needed inside the graph.
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.cuda.graph(self.graph):
+            self.static_loss = self._step(self.static_inputs, self.static_targets)
+
+    def __call__(self, inputs, targets):
+        self.calls += 1
+        if self.calls <= self.warmup_steps:
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side_stream):
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = self._step(inputs, targets)
+            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+            return loss
+        if self.graph is None:
+            self._capture(inputs, targets)   # recording does not execute: the replay below runs this step
+        self.static_inputs.copy_(inputs)
+        self.static_targets.copy_(targets)
+        self.graph.replay()
+        return self.static_loss
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line: the shared harness plus version 4's switches
+# ----------------------------------------------------------------------------------------------------------
+def add_arguments(group):
+    group.add_argument("--cuda-graph", dest="cuda_graph", action="store_true", default=True,
+                       help="capture the training step in a CUDA/HIP graph and replay it (default on a GPU)")
+    group.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                       help="launch every kernel from Python each step (to measure what the graph saves)")
+    group.add_argument("--tf32", dest="tf32", action="store_true", default=True,
+                       help="float32 matmuls on TF32 tensor cores (default; NVIDIA Ampere+ / AMD MI300)")
+    group.add_argument("--no-tf32", dest="tf32", action="store_false", help="exact float32 matmuls")
+    group.add_argument("--graph-warmup-steps", type=int, default=3,
+                       help="eager steps before the graph is captured")
+
+
+def uses_graph(args, device) -> bool:
+    # GradScaler (float16 AMP) makes host-side decisions every step, which a replayed graph cannot.
+    return device.type == "cuda" and args.cuda_graph and not (args.use_amp and args.amp_dtype == "float16")
+
+
+def check_arguments(args, device):
+    if device.type == "cpu" and not interpreter_active():
+        raise ConfigError("version 4's Triton kernels were compiled for the GPU; for a CPU run start with "
+                          "TRITON_INTERPRET=1 (Triton's interpreter) or omit --device cpu")
+    if device.type == "cpu" and args.use_amp:
+        raise ConfigError("--use-amp with Triton's CPU interpreter is not supported: the interpreter computes "
+                          "bfloat16 dot products wrongly; run float32 on the CPU or use a GPU")
+    if args.graph_warmup_steps < 1:
+        raise ConfigError("--graph-warmup-steps must be at least 1 (the optimizer state must exist before capture)")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32
+        torch.backends.cudnn.allow_tf32 = args.tf32
+
+
+def build_model(config, args):
+    model = TinyLlama(config)
+    model.capturable_optimizer = bool(args.cuda_graph)
+    return model
+
+
+def make_step(model, optimizer, device, train, args):
+    if uses_graph(args, device):
+        return GraphedStep(model, optimizer, device, train, warmup_steps=args.graph_warmup_steps)
+    return EagerStep(model, optimizer, device, train)
+
+
+def describe(args) -> dict:
+    on_gpu = torch.cuda.is_available() and args.device != "cpu"
+    step = "CUDA/HIP graph replay" if (on_gpu and args.cuda_graph) else "eager launches"
+    if interpreter_active():
+        step += " (Triton interpreter on the CPU: slow, for correctness)"
+    return {"step": step, "matmuls": "TF32 tensor cores for float32" if args.tf32 else "exact float32"}
+
+
+SPEC = VersionSpec(name="v4", title="Triton ultra-fused", build_model=build_model, add_arguments=add_arguments,
+                   check_arguments=check_arguments, describe=describe, make_step=make_step)
+
+
+def main(argv=None):
+    if interpreter_active() and not torch.cuda.is_available():
+        print("No GPU found: Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1): "
+              "correct but slow; use small sizes.")
+    return run(SPEC, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

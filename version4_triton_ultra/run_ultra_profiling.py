@@ -77,6 +77,7 @@ def analyse(trace_path: Path) -> dict:
         if kernel["step"] is not None:
             per_family[family_of(kernel["name"])] += kernel["dur_us"] / steps
     return {"kernels_per_step": reports.kernels_per_step(trace),
+            "step_wall_us": reports.summarize(trace)["step_us_mean"],   # host view, profiler overhead included
             "device_us_per_step": sum(per_family.values()),
             "family_us_per_step": dict(per_family)}
 
@@ -84,18 +85,21 @@ def analyse(trace_path: Path) -> dict:
 def print_table(results: dict) -> None:
     families = [f for f, _ in FAMILIES] + ["other"]
     families = [f for f in families if any(r["family_us_per_step"].get(f) for r in results.values())]
-    header = ["version", "kernels/step", "GPU us/step"] + families
+    header = ["version", "kernels/step", "step wall us", "GPU us/step"] + families
     rows = [header]
     for version, r in results.items():
         kps = r["kernels_per_step"]
-        rows.append([version, f"{kps:.0f}" if kps is not None else "n/a", f"{r['device_us_per_step']:.0f}"]
+        wall = r["step_wall_us"]
+        rows.append([version, f"{kps:.0f}" if kps is not None else "n/a", f"{wall:.0f}" if wall else "n/a",
+                     f"{r['device_us_per_step']:.0f}"]
                     + [f"{r['family_us_per_step'].get(f, 0.0):.0f}" for f in families])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for i, row in enumerate(rows):
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
         if i == 0:
             print("  ".join("-" * w for w in widths))
-    print("(GPU time per family in microseconds per training step, from the profiled steps)")
+    print("(per training step, from the profiled steps: wall time as the host saw it, profiler overhead included;"
+          " GPU time per kernel family in microseconds)")
 
 
 def main(argv=None) -> int:

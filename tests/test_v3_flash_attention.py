@@ -223,3 +223,178 @@ def test_memory_stays_far_below_score_matrix_gpu(device):
     # out, dq, dk, dv: 4 MiB each here (lse and delta: 128 KiB), against 256 MiB of float16 scores.
     assert extra < score_matrix_bytes / 8, \
         f"{extra / 2**20:.0f} MiB used; the score matrix alone is {score_matrix_bytes / 2**20:.0f} MiB"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Packed entry point: q, k, v read from a fused QKV output [B, S, 3D], out written as [B, S, D]
+# ----------------------------------------------------------------------------------------------------------
+def unpack_reference(qkv, heads):
+    """The copies the packed entry point avoids: [B, S, 3D] -> q, k, v views of [B, H, S, Dh]."""
+    batch, seq_len, width = qkv.shape
+    return qkv.view(batch, seq_len, 3, heads, width // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def pack_heads(x):
+    """[B, H, S, Dh] -> [B, S, H * Dh], head h in columns h*Dh : (h+1)*Dh (what an output projection reads)."""
+    batch, heads, seq_len, head_dim = x.shape
+    return x.transpose(1, 2).reshape(batch, seq_len, heads * head_dim)
+
+
+def check_packed_against_reference(batch, heads, seq_len, head_dim, dtype, device, causal=True, use_rope=False,
+                                   precise_fp32=True, tolerance=None):
+    """Forward and the gradient of qkv through flash_attention_packed against the float64 reference."""
+    dim = heads * head_dim
+    qkv = torch.randn(batch, seq_len, 3 * dim, device=device).to(dtype).requires_grad_()
+    grad_out = torch.randn(batch, seq_len, dim, device=device).to(dtype)
+    rope = rope_tables(seq_len + 5, head_dim, device=device) if use_rope else None
+
+    out = fa.flash_attention_packed(qkv, heads, causal=causal, rope=rope, precise_fp32=precise_fp32)
+    out.backward(grad_out)
+
+    qkv64 = qkv.detach().double().requires_grad_()
+    want = pack_heads(reference_attention(*unpack_reference(qkv64, heads), causal, 1.0 / math.sqrt(head_dim),
+                                          rope))
+    want.backward(grad_out.double())
+
+    assert out.dtype == dtype and out.shape == (batch, seq_len, dim) and out.is_contiguous()
+    assert qkv.grad.dtype == dtype and qkv.grad.shape == qkv.shape
+    tolerance = tolerance or TOLERANCE[dtype]
+    # q, k, v and their gradients compared block by block: dq is much smaller than dv, so a wrong dq could
+    # hide inside the error of the whole gradient.
+    checks = [("out", out, want)] + [
+        (name, got, ref) for name, got, ref in zip(("dq", "dk", "dv"), qkv.grad.split(dim, dim=-1),
+                                                   qkv64.grad.split(dim, dim=-1))]
+    for name, got, ref in checks:
+        error = relative_error(got, ref)
+        shape = (batch, heads, seq_len, head_dim)
+        assert error < tolerance, f"packed {name}: relative error {error:.2e} >= {tolerance:.0e} for {shape} {dtype}"
+
+
+# (batch, heads, seq_len, head_dim): batch > 1 and heads > 1 in most, so that a mix-up of the batch and head
+# strides shows; several heads per token row; sequence lengths of one row, below, at and past whole blocks.
+PACKED_SHAPES = [(1, 2, 1, 32), (2, 3, 37, 16), (2, 2, 64, 32), (1, 1, 100, 64), (1, 1, 129, 16)]
+
+
+@pytest.mark.parametrize("use_rope", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", PACKED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_packed_matches_reference(shape, dtype, use_rope, device):
+    check_packed_against_reference(*shape, dtype, device, use_rope=use_rope)
+
+
+@pytest.mark.parametrize("use_rope", [False, True], ids=["plain", "rope"])
+def test_packed_non_causal_matches_reference(use_rope, device):
+    check_packed_against_reference(2, 2, 37, 32, torch.float32, device, causal=False, use_rope=use_rope)
+
+
+def check_packed_equals_unpacked(batch, heads, seq_len, head_dim, dtype, device, causal, use_rope):
+    """Same data through both entry points: the same kernels do the same arithmetic, so the results agree
+    bit for bit; only the addresses differ."""
+    dim = heads * head_dim
+    qkv = torch.randn(batch, seq_len, 3 * dim, device=device).to(dtype).requires_grad_()
+    grad_out = torch.randn(batch, seq_len, dim, device=device).to(dtype)
+    rope = rope_tables(seq_len, head_dim, device=device) if use_rope else None
+
+    packed_out = fa.flash_attention_packed(qkv, heads, causal=causal, rope=rope)
+    packed_out.backward(grad_out)
+
+    q, k, v = (t.detach().contiguous().requires_grad_() for t in unpack_reference(qkv, heads))
+    out = fa.flash_attention(q, k, v, causal=causal, rope=rope)
+    out.backward(grad_out.view(batch, seq_len, heads, head_dim).transpose(1, 2))
+
+    assert torch.equal(packed_out, pack_heads(out))
+    assert torch.equal(qkv.grad, torch.cat([pack_heads(q.grad), pack_heads(k.grad), pack_heads(v.grad)], dim=-1))
+
+
+@pytest.mark.parametrize("causal,use_rope", [(True, True), (False, False)], ids=["causal-rope", "full-plain"])
+def test_packed_equals_unpacked(causal, use_rope, device):
+    check_packed_equals_unpacked(2, 3, 37, 16, torch.float32, device, causal, use_rope)
+
+
+def test_packed_allocates_poisoned_outputs(monkeypatch, device):
+    """out, lse, delta and the ONE gradient buffer of qkv all come from _new_buffer, i.e. start as NaN under
+    the autouse fixture; finite results therefore mean every element was written."""
+    allocated = []
+    original = fa._new_buffer
+
+    def recording_new_buffer(shape, dtype, buffer_device):
+        buffer = original(shape, dtype, buffer_device)
+        assert torch.isnan(buffer).all()
+        allocated.append(tuple(buffer.shape))
+        return buffer
+
+    monkeypatch.setattr(fa, "_new_buffer", recording_new_buffer)
+    batch, heads, seq_len, head_dim = 2, 2, 37, 16
+    dim = heads * head_dim
+    qkv = torch.randn(batch, seq_len, 3 * dim, device=device, requires_grad=True)
+    out = fa.flash_attention_packed(qkv, heads, rope=rope_tables(seq_len, head_dim, device=device))
+    out.backward(torch.randn_like(out))
+    assert sorted(allocated) == sorted([(batch, seq_len, dim), (batch * heads, seq_len),      # out, lse
+                                        (batch * heads, seq_len), (batch, seq_len, 3 * dim)])  # delta, d(qkv)
+    assert torch.isfinite(out).all() and torch.isfinite(qkv.grad).all()
+
+
+def test_packed_non_contiguous_qkv_and_broadcast_grad(device):
+    """A qkv that is a column slice of a wider tensor (copied once) and the zero-stride gradient of out.sum()."""
+    batch, heads, seq_len, head_dim = 2, 2, 37, 16
+    dim = heads * head_dim
+    wide = torch.randn(batch, seq_len, 3 * dim + 8, device=device, requires_grad=True)
+    qkv = wide[..., 8:]
+    assert not qkv.is_contiguous()
+    fa.flash_attention_packed(qkv, heads).sum().backward()
+
+    qkv64 = qkv.detach().double().requires_grad_()
+    want = reference_attention(*unpack_reference(qkv64, heads), True, 1.0 / math.sqrt(head_dim))
+    pack_heads(want).sum().backward()
+    assert relative_error(wide.grad[..., 8:], qkv64.grad) < TOLERANCE[torch.float32]
+    assert torch.equal(wide.grad[..., :8], torch.zeros_like(wide.grad[..., :8]))
+
+
+def test_packed_rejects_bad_inputs(device):
+    qkv = torch.randn(1, 8, 3 * 2 * 32, device=device)
+    with pytest.raises(ValueError, match="qkv must be"):
+        fa.flash_attention_packed(qkv, 5)                      # 192 columns are not 3 * 5 heads * Dh
+    with pytest.raises(ValueError, match="qkv must be"):
+        fa.flash_attention_packed(qkv.view(8, 192), 2)
+    with pytest.raises(ValueError, match="num_heads"):
+        fa.flash_attention_packed(qkv, 0)
+    with pytest.raises(ValueError, match="head dim"):
+        fa.flash_attention_packed(qkv, 8)                      # Dh = 192 / (3 * 8) = 8
+    with pytest.raises(ValueError, match="rope"):
+        fa.flash_attention_packed(qkv, 2, rope=rope_tables(4, 32, device=device))
+    with pytest.raises(ValueError, match="dtype"):
+        fa.flash_attention_packed(qkv.double(), 2)
+
+
+@pytest.mark.skipif(not interpreter_active(), reason="only Triton's interpreter gets bfloat16 matmuls wrong")
+def test_packed_bfloat16_refused_in_interpreter():
+    with pytest.raises(RuntimeError, match="interpreter"):
+        fa.flash_attention_packed(torch.randn(1, 16, 96, dtype=torch.bfloat16), 1)
+
+
+def test_short_sequences_get_smaller_forward_query_blocks(monkeypatch):
+    """The GPU launch choice (computed here with the interpreter switched off): 64-row query blocks up to
+    S = 256, so short sequences still give a large GPU enough programs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert fa._launch_config(32, torch.bfloat16, 128, backward=False)["BLOCK_M"] == 64
+    assert fa._launch_config(32, torch.bfloat16, 256, backward=False)["BLOCK_M"] == 64
+    assert fa._launch_config(32, torch.bfloat16, 512, backward=False)["BLOCK_M"] == 128
+    assert fa._launch_config(32, torch.bfloat16, 128, backward=True)["BLOCK_M"] == 64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_rope", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("seq_len", [128, 200, 512, 1000])
+def test_packed_full_size_gpu(seq_len, head_dim, dtype, use_rope, device):
+    """Both forward launch choices (S <= 256 and longer), every head dim, bfloat16."""
+    check_packed_against_reference(4, 8 if head_dim == 32 else 4, seq_len, head_dim, dtype, device,
+                                   use_rope=use_rope)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("seq_len", [128, 512])
+def test_packed_equals_unpacked_gpu(seq_len, dtype, device):
+    check_packed_equals_unpacked(4, 8, seq_len, 32, dtype, device, causal=True, use_rope=True)

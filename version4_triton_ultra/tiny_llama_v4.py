@@ -5,7 +5,8 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      normalised activations of the next sub-layer in one pass; the backward is one pass too.
   2. RoPE inside attention: q and k are rotated as the flash-attention kernel loads them (and the gradients
      rotated back as it stores them), so the separate RoPE pass of version 3 disappears.
-  3. q, k, v are made contiguous with ONE copy of the fused QKV output instead of three.
+  3. Attention reads q, k, v straight from the fused QKV output and writes its output in the layout the output
+     projection reads: no copies (version 3 transposes q, k, v and the output, and again in the backward pass).
   4. LM head + cross-entropy fused and chunked (kernels/linear_cross_entropy.py): the float32 logits of the
      whole batch never exist; the loss kernel writes d(loss)/d(logits) in place, so backward is two GEMMs.
   5. Token-embedding backward as zero + scatter-add (index_add_) instead of PyTorch's sort-based kernel.
@@ -37,7 +38,7 @@ from tinytransformer.profiling import profile_range  # noqa: E402
 from tinytransformer.trainer import EagerStep  # noqa: E402
 from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
                                      init_canonical_weights, split)
-from version3_triton.kernels.flash_attention import flash_attention  # noqa: E402
+from version3_triton.kernels.flash_attention import flash_attention_packed  # noqa: E402
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
 from version3_triton.kernels.swiglu import swiglu_fused  # noqa: E402
 from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm  # noqa: E402
@@ -74,7 +75,7 @@ def gemm_input_dtype(device_type: str):
 
 
 class Attention(nn.Module):
-    """Fused QKV GEMM -> one copy into [3, B, H, S, Dh] -> flash attention with RoPE on load -> output GEMM."""
+    """Fused QKV GEMM -> flash attention with RoPE on load, on the GEMMs' [B, S, *] layout -> output GEMM."""
 
     exact_float32 = False   # True: float32 dot products in IEEE float32 instead of TF32 (tests, debugging)
 
@@ -86,12 +87,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(d, d, bias=False)
 
     def forward(self, x, cos, sin):
-        batch, seq, dim = x.shape
         with profile_range("attention"):
-            qkv = self.qkv_proj(x).view(batch, seq, 3, self.num_heads, self.head_dim)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).contiguous().unbind(0)   # one copy, three contiguous tensors
-            out = flash_attention(q, k, v, causal=True, rope=(cos, sin), precise_fp32=self.exact_float32)
-            return self.o_proj(out.transpose(1, 2).reshape(batch, seq, dim))
+            # [B, S, 3D]: per token the q heads, then the k heads, then the v heads. The kernels read each head
+            # in place (row stride 3D) instead of transposing q, k, v into [B, H, S, Dh] first.
+            qkv = self.qkv_proj(x)
+            out = flash_attention_packed(qkv, self.num_heads, causal=True, rope=(cos, sin),
+                                         precise_fp32=self.exact_float32)
+            # out: [B, S, D], head h in columns h*Dh:(h+1)*Dh, which is exactly what o_proj reads. The backward
+            # pass writes dq, dk, dv into one [B, S, 3D] gradient of qkv, so no copies either way.
+            return self.o_proj(out)
 
 
 class FeedForward(nn.Module):

@@ -31,10 +31,17 @@ with cos and sin of shape [S, Dh] and equal on both halves. That saves a separat
 write q and k once more. The gradients come back with respect to the unrotated inputs: the rotation is
 orthogonal, so its transpose, x * cos - rotate_half(x) * sin, is applied to dq and dk before they are stored.
 
-Shapes: q, k, v, out: [B, H, S, Dh]; the kernels see them as B*H independent [S, Dh] matrices.
-lse and delta: [B*H, S] float32.
+Two entry points share the same kernels (they differ only in the strides they pass, see "Addressing"):
+    flash_attention(q, k, v)             q, k, v, out: [B, H, S, Dh]                      (version 3)
+    flash_attention_packed(qkv, H)       qkv: [B, S, 3*D] straight from a fused QKV projection, columns
+                                         [q heads | k heads | v heads]; out: [B, S, D], D = H * Dh, the
+                                         layout the output projection reads                (version 4)
+The packed one saves the transposes a model would otherwise copy around attention: [B, S, 3, H, Dh] ->
+[3, B, H, S, Dh] before it, [B, H, S, Dh] -> [B, S, H * Dh] after it, and both again in the backward pass.
+lse and delta: [B*H, S] float32 in both.
 """
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -51,23 +58,55 @@ FILL_NEW_BUFFERS_WITH_NAN = False
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Addressing
+# ----------------------------------------------------------------------------------------------------------
+# Every kernel sees q, k, v, out and their gradients as B*H independent [S, Dh] matrices whose rows need not
+# be adjacent in memory. Element (b, h, s, d) of such an operand lives at
+#
+#     base + b * batch_stride + h * head_stride + s * row_stride + d
+#
+# The second program id numbers the (batch, head) pairs as b * H + h. A kernel splits it with // H and % H,
+# moves each base pointer once to row 0 of its head (in int64: B*H*S*Dh can pass 2**31), then steps
+# row_stride elements per token (int32: the wrappers check that S * row_stride stays below 2**31). The Dh
+# elements of one row are always adjacent, so each row is still read and written in a few wide transactions.
+# The two entry points differ only in these numbers (D = H * Dh):
+#
+#                                batch_stride   head_stride   row_stride   used by
+#     [B, H, S, Dh] contiguous   H * S * Dh     S * Dh        Dh           q, k, v, out, and all gradients
+#     packed qkv [B, S, 3D]      S * 3D         Dh            3D           q, k, v, dq, dk, dv
+#     packed out [B, S, D]       S * D          Dh            D            out, d(out)
+#
+# In the packed layout the base pointers of k and v (and of dk and dv) are those of q (dq) plus D and 2D
+# columns. q, k, v, dq, dk, dv share one set of strides (the "qkv" strides); out and d(out) share another.
+# The RoPE tables are plain contiguous [S, Dh] matrices: row stride Dh.
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Small helpers shared by the kernels (inlined by Triton)
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _load_rows(base, rows, seq_len, HEAD_DIM: tl.constexpr):
-    """Rows `rows` of a contiguous [seq_len, HEAD_DIM] matrix as a [len(rows), HEAD_DIM] block.
+def _head_start(batch_head, num_heads, batch_stride, head_stride):
+    """Offset (int64) of row 0 of head `batch_head % num_heads` of batch `batch_head // num_heads`."""
+    batch = (batch_head // num_heads).to(tl.int64)
+    head = (batch_head % num_heads).to(tl.int64)
+    return batch * batch_stride + head * head_stride
+
+
+@triton.jit
+def _load_rows(base, rows, row_stride, seq_len, HEAD_DIM: tl.constexpr):
+    """Rows `rows` of a [seq_len, HEAD_DIM] matrix (rows row_stride apart) as a [len(rows), HEAD_DIM] block.
 
     Rows past the end (the last block of a sequence whose length is not a multiple of the block) read 0.
     """
     cols = tl.arange(0, HEAD_DIM)
-    return tl.load(base + rows[:, None] * HEAD_DIM + cols[None, :], mask=rows[:, None] < seq_len, other=0.0)
+    return tl.load(base + rows[:, None] * row_stride + cols[None, :], mask=rows[:, None] < seq_len, other=0.0)
 
 
 @triton.jit
-def _store_rows(base, rows, seq_len, block, HEAD_DIM: tl.constexpr):
+def _store_rows(base, rows, row_stride, seq_len, block, HEAD_DIM: tl.constexpr):
     """Write `block` ([len(rows), HEAD_DIM]) into rows `rows`, skipping rows past the end."""
     cols = tl.arange(0, HEAD_DIM)
-    tl.store(base + rows[:, None] * HEAD_DIM + cols[None, :], block.to(base.dtype.element_ty),
+    tl.store(base + rows[:, None] * row_stride + cols[None, :], block.to(base.dtype.element_ty),
              mask=rows[:, None] < seq_len)
 
 
@@ -90,8 +129,8 @@ def _rope(x, Cos, Sin, rows, seq_len, BLOCK: tl.constexpr, HEAD_DIM: tl.constexp
     INVERSE applies the transpose of the rotation, x * cos - rotate_half(x) * sin: it takes a gradient with
     respect to a rotated row back to the unrotated row (valid because cos and sin repeat across the halves).
     """
-    cos = _load_rows(Cos, rows, seq_len, HEAD_DIM)
-    sin = _load_rows(Sin, rows, seq_len, HEAD_DIM)
+    cos = _load_rows(Cos, rows, HEAD_DIM, seq_len, HEAD_DIM)
+    sin = _load_rows(Sin, rows, HEAD_DIM, seq_len, HEAD_DIM)
     if INVERSE:
         sin = -sin
     x = x.to(tl.float32)
@@ -99,10 +138,10 @@ def _rope(x, Cos, Sin, rows, seq_len, BLOCK: tl.constexpr, HEAD_DIM: tl.constexp
 
 
 @triton.jit
-def _load_q_or_k(base, Cos, Sin, rows, seq_len, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _load_q_or_k(base, row_stride, Cos, Sin, rows, seq_len, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                  ROPE: tl.constexpr):
     """Load a block of q or k, rotated by RoPE when ROPE is set, in the input dtype (what tl.dot consumes)."""
-    x = _load_rows(base, rows, seq_len, HEAD_DIM)
+    x = _load_rows(base, rows, row_stride, seq_len, HEAD_DIM)
     if ROPE:  # a constexpr: without RoPE this branch is not even compiled
         x = _rope(x, Cos, Sin, rows, seq_len, BLOCK, HEAD_DIM, False).to(base.dtype.element_ty)
     return x
@@ -124,23 +163,23 @@ def _visible(rows, cols, seq_len, CAUSAL: tl.constexpr):
 @triton.jit
 def _flash_attention_forward_kernel(
     Q, K, V, Out, Lse, Cos, Sin,
-    seq_len, sm_scale,
+    seq_len, num_heads, sm_scale,
+    qkv_batch_stride, qkv_head_stride, qkv_row_stride, out_batch_stride, out_head_stride, out_row_stride,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (batch, head). Grid: (cdiv(S, BLOCK_M), B * H)."""
     block_m = tl.program_id(0)
-    head = tl.program_id(1)
-    # int64: B*H*S*Dh can pass 2**31 for long sequences.
-    head_start = head.to(tl.int64) * seq_len * HEAD_DIM
-    Q += head_start
-    K += head_start
-    V += head_start
-    Out += head_start
-    Lse += head.to(tl.int64) * seq_len
+    batch_head = tl.program_id(1)
+    qkv_start = _head_start(batch_head, num_heads, qkv_batch_stride, qkv_head_stride)
+    Q += qkv_start
+    K += qkv_start
+    V += qkv_start
+    Out += _head_start(batch_head, num_heads, out_batch_stride, out_head_stride)
+    Lse += batch_head.to(tl.int64) * seq_len
 
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = _load_q_or_k(Q, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, ROPE)
+    q = _load_q_or_k(Q, qkv_row_stride, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, ROPE)
 
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -157,8 +196,8 @@ def _flash_attention_forward_kernel(
     # exp(m - m_new) is never exp(-inf + inf) = NaN.
     for key_start in range(0, key_end, BLOCK_N):
         cols = key_start + tl.arange(0, BLOCK_N)
-        k = _load_q_or_k(K, Cos, Sin, cols, seq_len, BLOCK_N, HEAD_DIM, ROPE)
-        v = _load_rows(V, cols, seq_len, HEAD_DIM)
+        k = _load_q_or_k(K, qkv_row_stride, Cos, Sin, cols, seq_len, BLOCK_N, HEAD_DIM, ROPE)
+        v = _load_rows(V, cols, qkv_row_stride, seq_len, HEAD_DIM)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
         scores = tl.where(_visible(rows, cols, seq_len, CAUSAL), scores, float("-inf"))
@@ -170,7 +209,7 @@ def _flash_attention_forward_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m = m_new
 
-    _store_rows(Out, rows, seq_len, acc / l[:, None], HEAD_DIM)
+    _store_rows(Out, rows, out_row_stride, seq_len, acc / l[:, None], HEAD_DIM)
     tl.store(Lse + rows, m + tl.log(l), mask=rows < seq_len)
 
 
@@ -178,17 +217,23 @@ def _flash_attention_forward_kernel(
 # Backward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _flash_attention_backward_delta_kernel(Out, dOut, Delta, total_rows, HEAD_DIM: tl.constexpr,
-                                           BLOCK_ROWS: tl.constexpr):
-    """delta = rowsum(dO * O) for all B*H*S rows at once. Grid: (cdiv(B*H*S, BLOCK_ROWS),).
+def _flash_attention_backward_delta_kernel(
+    Out, dOut, Delta,
+    seq_len, num_heads, out_batch_stride, out_head_stride, out_row_stride,
+    HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):
+    """delta = rowsum(dO * O) for BLOCK_ROWS rows of one (batch, head). Grid: (cdiv(S, BLOCK_ROWS), B * H).
 
     delta_i = sum_j p_ij dp_ij is the term that the softmax backward subtracts; computing it from O and dO
     is one cheap pass instead of a reduction over all keys inside the big kernels.
     """
+    batch_head = tl.program_id(1)
+    out_start = _head_start(batch_head, num_heads, out_batch_stride, out_head_stride)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    o = _load_rows(Out, rows, total_rows, HEAD_DIM).to(tl.float32)
-    do = _load_rows(dOut, rows, total_rows, HEAD_DIM).to(tl.float32)
-    tl.store(Delta + rows, tl.sum(o * do, axis=1), mask=rows < total_rows)
+    o = _load_rows(Out + out_start, rows, out_row_stride, seq_len, HEAD_DIM).to(tl.float32)
+    do = _load_rows(dOut + out_start, rows, out_row_stride, seq_len, HEAD_DIM).to(tl.float32)
+    Delta += batch_head.to(tl.int64) * seq_len
+    tl.store(Delta + rows, tl.sum(o * do, axis=1), mask=rows < seq_len)
 
 
 @triton.jit
@@ -206,7 +251,8 @@ def _probabilities(q, k, lse, rows, cols, seq_len, sm_scale, CAUSAL: tl.constexp
 @triton.jit
 def _flash_attention_backward_dkdv_kernel(
     Q, K, V, dOut, Lse, Delta, dK, dV, Cos, Sin,
-    seq_len, sm_scale,
+    seq_len, num_heads, sm_scale,
+    qkv_batch_stride, qkv_head_stride, qkv_row_stride, out_batch_stride, out_head_stride, out_row_stride,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -215,20 +261,20 @@ def _flash_attention_backward_dkdv_kernel(
     Grid: (cdiv(S, BLOCK_N), B * H).
     """
     block_n = tl.program_id(0)
-    head = tl.program_id(1)
-    head_start = head.to(tl.int64) * seq_len * HEAD_DIM
-    Q += head_start
-    K += head_start
-    V += head_start
-    dOut += head_start
-    dK += head_start
-    dV += head_start
-    Lse += head.to(tl.int64) * seq_len
-    Delta += head.to(tl.int64) * seq_len
+    batch_head = tl.program_id(1)
+    qkv_start = _head_start(batch_head, num_heads, qkv_batch_stride, qkv_head_stride)
+    Q += qkv_start
+    K += qkv_start
+    V += qkv_start
+    dK += qkv_start
+    dV += qkv_start
+    dOut += _head_start(batch_head, num_heads, out_batch_stride, out_head_stride)
+    Lse += batch_head.to(tl.int64) * seq_len
+    Delta += batch_head.to(tl.int64) * seq_len
 
     cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = _load_q_or_k(K, Cos, Sin, cols, seq_len, BLOCK_N, HEAD_DIM, ROPE)
-    v = _load_rows(V, cols, seq_len, HEAD_DIM)
+    k = _load_q_or_k(K, qkv_row_stride, Cos, Sin, cols, seq_len, BLOCK_N, HEAD_DIM, ROPE)
+    v = _load_rows(V, cols, qkv_row_stride, seq_len, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
@@ -240,8 +286,8 @@ def _flash_attention_backward_dkdv_kernel(
         query_start = 0
     for row_start in range(query_start, seq_len, BLOCK_M):
         rows = row_start + tl.arange(0, BLOCK_M)
-        q = _load_q_or_k(Q, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, ROPE)
-        do = _load_rows(dOut, rows, seq_len, HEAD_DIM)
+        q = _load_q_or_k(Q, qkv_row_stride, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, ROPE)
+        do = _load_rows(dOut, rows, out_row_stride, seq_len, HEAD_DIM)
         lse = tl.load(Lse + rows, mask=rows < seq_len, other=0.0)
         delta = tl.load(Delta + rows, mask=rows < seq_len, other=0.0)
 
@@ -254,14 +300,15 @@ def _flash_attention_backward_dkdv_kernel(
     dk = dk * sm_scale
     if ROPE:  # dk is the gradient for the rotated keys: rotate it back
         dk = _rope(dk, Cos, Sin, cols, seq_len, BLOCK_N, HEAD_DIM, True)
-    _store_rows(dK, cols, seq_len, dk, HEAD_DIM)
-    _store_rows(dV, cols, seq_len, dv, HEAD_DIM)
+    _store_rows(dK, cols, qkv_row_stride, seq_len, dk, HEAD_DIM)
+    _store_rows(dV, cols, qkv_row_stride, seq_len, dv, HEAD_DIM)
 
 
 @triton.jit
 def _flash_attention_backward_dq_kernel(
     Q, K, V, dOut, Lse, Delta, dQ, Cos, Sin,
-    seq_len, sm_scale,
+    seq_len, num_heads, sm_scale,
+    qkv_batch_stride, qkv_head_stride, qkv_row_stride, out_batch_stride, out_head_stride, out_row_stride,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -270,19 +317,19 @@ def _flash_attention_backward_dq_kernel(
     Grid: (cdiv(S, BLOCK_M), B * H).
     """
     block_m = tl.program_id(0)
-    head = tl.program_id(1)
-    head_start = head.to(tl.int64) * seq_len * HEAD_DIM
-    Q += head_start
-    K += head_start
-    V += head_start
-    dOut += head_start
-    dQ += head_start
-    Lse += head.to(tl.int64) * seq_len
-    Delta += head.to(tl.int64) * seq_len
+    batch_head = tl.program_id(1)
+    qkv_start = _head_start(batch_head, num_heads, qkv_batch_stride, qkv_head_stride)
+    Q += qkv_start
+    K += qkv_start
+    V += qkv_start
+    dQ += qkv_start
+    dOut += _head_start(batch_head, num_heads, out_batch_stride, out_head_stride)
+    Lse += batch_head.to(tl.int64) * seq_len
+    Delta += batch_head.to(tl.int64) * seq_len
 
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = _load_q_or_k(Q, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, ROPE)
-    do = _load_rows(dOut, rows, seq_len, HEAD_DIM)
+    q = _load_q_or_k(Q, qkv_row_stride, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, ROPE)
+    do = _load_rows(dOut, rows, out_row_stride, seq_len, HEAD_DIM)
     lse = tl.load(Lse + rows, mask=rows < seq_len, other=0.0)
     delta = tl.load(Delta + rows, mask=rows < seq_len, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -294,8 +341,8 @@ def _flash_attention_backward_dq_kernel(
         key_end = seq_len
     for key_start in range(0, key_end, BLOCK_N):
         cols = key_start + tl.arange(0, BLOCK_N)
-        k = _load_q_or_k(K, Cos, Sin, cols, seq_len, BLOCK_N, HEAD_DIM, ROPE)
-        v = _load_rows(V, cols, seq_len, HEAD_DIM)
+        k = _load_q_or_k(K, qkv_row_stride, Cos, Sin, cols, seq_len, BLOCK_N, HEAD_DIM, ROPE)
+        v = _load_rows(V, cols, qkv_row_stride, seq_len, HEAD_DIM)
 
         p = _probabilities(q, k, lse, rows, cols, seq_len, sm_scale, CAUSAL, DOT_PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -305,14 +352,15 @@ def _flash_attention_backward_dq_kernel(
     dq = dq * sm_scale
     if ROPE:  # dq is the gradient for the rotated queries: rotate it back
         dq = _rope(dq, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, True)
-    _store_rows(dQ, rows, seq_len, dq, HEAD_DIM)
+    _store_rows(dQ, rows, qkv_row_stride, seq_len, dq, HEAD_DIM)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Launch choices
 # ----------------------------------------------------------------------------------------------------------
-def _launch_config(head_dim: int, dtype: torch.dtype, backward: bool) -> dict:
-    """Block sizes, warps and pipeline stages for one kernel. Fixed per (head dim, dtype, vendor).
+def _launch_config(head_dim: int, dtype: torch.dtype, seq_len: int, backward: bool) -> dict:
+    """Block sizes, warps and pipeline stages for one kernel. Fixed per (head dim, dtype, vendor, short or long
+    sequence).
 
     This is where @triton.autotune would go: it would time a list of such configs per shape and keep the
     fastest. Fixed choices keep the first call fast and the behaviour the same on every run.
@@ -330,6 +378,11 @@ def _launch_config(head_dim: int, dtype: torch.dtype, backward: bool) -> dict:
         block_m = block_n = 32 if wide_rows else 64
     else:
         block_m, block_n = (64, 32) if wide_rows else (128, 64)
+        if seq_len <= 256:
+            # The forward grid has only cdiv(S, BLOCK_M) x B*H programs: at S = 128, batch 32 and 8 heads,
+            # 256 programs of 128 rows for 132 SMs (H100) or 304 CUs (MI300X), i.e. two uneven waves or
+            # one partial one. Query blocks of 64 rows double the programs and even out the waves.
+            block_m = 64
     # num_warps counts warps of 32 threads on NVIDIA and wavefronts of 64 on AMD, so 4 means 128 or 256
     # threads. On NVIDIA, tiles of 64 x 64 and more want 8 warps to spread their float32 accumulators.
     num_warps = 8 if (not is_rocm() and min(block_m, block_n) * head_dim >= 64 * 64) else 4
@@ -353,96 +406,199 @@ def _new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope) -> None:
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"q, k, v must all be [B, H, S, Dh]; got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q, k, v must share one dtype among {SUPPORTED_DTYPES}; got {q.dtype}, {k.dtype}, "
-                         f"{v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError("q, k, v must be on one device")
-    batch, heads, seq_len, head_dim = q.shape
+def _check_problem(dtype: torch.dtype, batch_heads: int, seq_len: int, head_dim: int, row_stride: int, rope,
+                   shape) -> None:
+    """Checks shared by both entry points, once the layout has given B*H, S, Dh and the largest row stride."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype} not supported; use one of {SUPPORTED_DTYPES}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim {head_dim} not supported; use one of {SUPPORTED_HEAD_DIMS}")
-    if seq_len < 1 or batch * heads < 1:
-        raise ValueError(f"empty input {tuple(q.shape)}")
+    if seq_len < 1 or batch_heads < 1:
+        raise ValueError(f"empty input {tuple(shape)}")
+    if seq_len * row_stride >= 2**31:
+        raise ValueError(f"input {tuple(shape)} too large: offsets within one head are 32-bit, so "
+                         f"S * row stride = {seq_len} * {row_stride} must stay below 2**31")
     if rope is not None:
         cos, sin = rope
         for name, table in (("cos", cos), ("sin", sin)):
             if table.dim() != 2 or table.shape[0] < seq_len or table.shape[1] != head_dim:
                 raise ValueError(f"rope {name} table must be [>= S, Dh] = [>= {seq_len}, {head_dim}]; "
                                  f"got {tuple(table.shape)}")
-    if q.dtype == torch.bfloat16 and interpreter_active():
+    if dtype == torch.bfloat16 and interpreter_active():
         raise RuntimeError("flash_attention: Triton's CPU interpreter computes tl.dot on bfloat16 wrongly, so "
                            "bfloat16 is refused without a GPU; use float32 or float16 here, bfloat16 on a GPU.")
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope) -> None:
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must all be [B, H, S, Dh]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype among {SUPPORTED_DTYPES}; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError("q, k, v must be on one device")
+    batch, heads, seq_len, head_dim = q.shape
+    _check_problem(q.dtype, batch * heads, seq_len, head_dim, head_dim, rope, q.shape)
+
+
+def _check_packed_input(qkv: torch.Tensor, num_heads: int, rope) -> None:
+    if not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int; got {num_heads!r}")
+    if qkv.dim() != 3 or qkv.shape[-1] % (3 * num_heads) != 0:
+        raise ValueError(f"qkv must be [B, S, 3 * num_heads * Dh] with num_heads = {num_heads}; "
+                         f"got {tuple(qkv.shape)}")
+    batch, seq_len, width = qkv.shape
+    _check_problem(qkv.dtype, batch * num_heads, seq_len, width // (3 * num_heads), width, rope, qkv.shape)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launches (shared by both layouts)
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Problem:
+    """What every launch needs besides the tensors: sizes, options and the strides of the layout.
+
+    qkv_strides and out_strides are (batch, head, row) strides in elements, as in the Addressing table.
+    """
+    batch: int
+    heads: int
+    seq_len: int
+    head_dim: int
+    qkv_strides: tuple   # of q, k, v, dq, dk, dv
+    out_strides: tuple   # of out and d(out)
+    causal: bool
+    sm_scale: float
+    precision: str       # tl.dot's input_precision
+
+    def scalar_args(self) -> tuple:
+        """The scalar arguments of the forward, dk/dv and dq kernels, in their order."""
+        return (self.seq_len, self.heads, self.sm_scale, *self.qkv_strides, *self.out_strides)
+
+
+def _rope_tables(cos, sin, seq_len: int, device: torch.device):
+    """The first S rows of the RoPE tables as contiguous float32 on the inputs' device; (None, None) without."""
+    if cos is None:
+        return None, None
+    return tuple(table[:seq_len].to(device=device, dtype=torch.float32).contiguous() for table in (cos, sin))
+
+
+def _run_forward(problem: _Problem, q, k, v, out, cos, sin) -> torch.Tensor:
+    """Fill out from q, k, v (tensors whose data pointer is element (0, 0, 0, 0) of their operand, laid out as
+    `problem` says). Returns lse: [B*H, S] float32."""
+    lse = _new_buffer((problem.batch * problem.heads, problem.seq_len), torch.float32, q.device)
+    rope = cos is not None
+    config = _launch_config(problem.head_dim, q.dtype, problem.seq_len, backward=False)
+    grid = (triton.cdiv(problem.seq_len, config["BLOCK_M"]), problem.batch * problem.heads)
+    _flash_attention_forward_kernel[grid](
+        q, k, v, out, lse,
+        cos if rope else q, sin if rope else q,  # placeholders: never read without RoPE
+        *problem.scalar_args(),
+        HEAD_DIM=problem.head_dim, CAUSAL=problem.causal, ROPE=rope, DOT_PRECISION=problem.precision, **config,
+    )
+    return lse
+
+
+def _run_backward(problem: _Problem, q, k, v, out, lse, cos, sin, grad_out, dq, dk, dv) -> None:
+    """Fill dq, dk, dv (laid out like q, k, v) from the saved forward tensors and grad_out (laid out like out)."""
+    batch_heads, seq_len = problem.batch * problem.heads, problem.seq_len
+    rope = cos is not None
+
+    delta = _new_buffer((batch_heads, seq_len), torch.float32, q.device)
+    block_rows = 16 if interpreter_active() else 64
+    _flash_attention_backward_delta_kernel[(triton.cdiv(seq_len, block_rows), batch_heads)](
+        out, grad_out, delta, seq_len, problem.heads, *problem.out_strides,
+        HEAD_DIM=problem.head_dim, BLOCK_ROWS=block_rows,
+    )
+
+    config = _launch_config(problem.head_dim, q.dtype, seq_len, backward=True)
+    common = dict(HEAD_DIM=problem.head_dim, CAUSAL=problem.causal, ROPE=rope, DOT_PRECISION=problem.precision,
+                  **config)
+    cos_arg, sin_arg = (cos, sin) if rope else (q, q)
+    _flash_attention_backward_dkdv_kernel[(triton.cdiv(seq_len, config["BLOCK_N"]), batch_heads)](
+        q, k, v, grad_out, lse, delta, dk, dv, cos_arg, sin_arg, *problem.scalar_args(), **common,
+    )
+    _flash_attention_backward_dq_kernel[(triton.cdiv(seq_len, config["BLOCK_M"]), batch_heads)](
+        q, k, v, grad_out, lse, delta, dq, cos_arg, sin_arg, *problem.scalar_args(), **common,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Autograd
 # ----------------------------------------------------------------------------------------------------------
 class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd glue: forward launches one kernel, backward three (delta, dk/dv, dq)."""
+    """Autograd glue for q, k, v of [B, H, S, Dh]: forward launches one kernel, backward three (delta, dk/dv,
+    dq)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, sm_scale: float, cos, sin, precise_fp32: bool):
         batch, heads, seq_len, head_dim = q.shape
-        # The kernels address element (head, row, col) as head*S*Dh + row*Dh + col: one base pointer and no
-        # strides keep the index arithmetic readable, and each row is Dh adjacent elements, which the GPU
-        # loads in few wide (coalesced) transactions. Views such as a transpose of [B, S, H, Dh] are copied
-        # once here; contiguous() costs nothing for a tensor that already is.
+        # Contiguous [B, H, S, Dh]: one set of strides for every operand. Other views, such as a transpose of
+        # [B, S, H, Dh], are copied once here; contiguous() costs nothing for a tensor that already is.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        rope = cos is not None
-        if rope:
-            cos = cos[:seq_len].to(device=q.device, dtype=torch.float32).contiguous()
-            sin = sin[:seq_len].to(device=q.device, dtype=torch.float32).contiguous()
+        strides = (heads * seq_len * head_dim, seq_len * head_dim, head_dim)
+        problem = _Problem(batch, heads, seq_len, head_dim, qkv_strides=strides, out_strides=strides,
+                           causal=causal, sm_scale=sm_scale, precision=_dot_precision(q.dtype, precise_fp32))
+        cos, sin = _rope_tables(cos, sin, seq_len, q.device)
 
         out = _new_buffer(q.shape, q.dtype, q.device)
-        lse = _new_buffer((batch * heads, seq_len), torch.float32, q.device)
-        config = _launch_config(head_dim, q.dtype, backward=False)
-        grid = (triton.cdiv(seq_len, config["BLOCK_M"]), batch * heads)
-        precision = _dot_precision(q.dtype, precise_fp32)
-        _flash_attention_forward_kernel[grid](
-            q, k, v, out, lse,
-            cos if rope else q, sin if rope else q,  # placeholders: never read without RoPE
-            seq_len, sm_scale,
-            HEAD_DIM=head_dim, CAUSAL=causal, ROPE=rope, DOT_PRECISION=precision, **config,
-        )
+        lse = _run_forward(problem, q, k, v, out, cos, sin)
         ctx.save_for_backward(q, k, v, out, lse, cos, sin)
-        ctx.causal, ctx.sm_scale, ctx.precision = causal, sm_scale, precision
+        ctx.problem = problem
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, cos, sin = ctx.saved_tensors
-        batch, heads, seq_len, head_dim = q.shape
-        rope = cos is not None
-        # The incoming gradient can be a broadcast view (e.g. from out.sum()) with zero strides.
+        # The incoming gradient can be a broadcast view (e.g. from out.sum()) with zero strides; the kernels
+        # read it with out's strides.
         grad_out = grad_out.contiguous()
-
-        delta = _new_buffer((batch * heads, seq_len), torch.float32, q.device)
-        total_rows = batch * heads * seq_len
-        block_rows = 16 if interpreter_active() else 64
-        _flash_attention_backward_delta_kernel[(triton.cdiv(total_rows, block_rows),)](
-            out, grad_out, delta, total_rows, HEAD_DIM=head_dim, BLOCK_ROWS=block_rows,
-        )
-
-        dq = _new_buffer(q.shape, q.dtype, q.device)
-        dk = _new_buffer(k.shape, k.dtype, k.device)
-        dv = _new_buffer(v.shape, v.dtype, v.device)
-        config = _launch_config(head_dim, q.dtype, backward=True)
-        common = dict(HEAD_DIM=head_dim, CAUSAL=ctx.causal, ROPE=rope, DOT_PRECISION=ctx.precision, **config)
-        cos_arg, sin_arg = (cos, sin) if rope else (q, q)
-        _flash_attention_backward_dkdv_kernel[(triton.cdiv(seq_len, config["BLOCK_N"]), batch * heads)](
-            q, k, v, grad_out, lse, delta, dk, dv, cos_arg, sin_arg, seq_len, ctx.sm_scale, **common,
-        )
-        _flash_attention_backward_dq_kernel[(triton.cdiv(seq_len, config["BLOCK_M"]), batch * heads)](
-            q, k, v, grad_out, lse, delta, dq, cos_arg, sin_arg, seq_len, ctx.sm_scale, **common,
-        )
+        dq, dk, dv = (_new_buffer(t.shape, t.dtype, t.device) for t in (q, k, v))
+        _run_backward(ctx.problem, q, k, v, out, lse, cos, sin, grad_out, dq, dk, dv)
         # One gradient per forward input: q, k, v, then none for causal, sm_scale, cos, sin, precise_fp32.
         return dq, dk, dv, None, None, None, None, None
 
 
+class FlashAttentionPackedFunction(torch.autograd.Function):
+    """Autograd glue for the packed layout: q, k, v are read from qkv [B, S, 3D], out is written as [B, S, D],
+    and the backward writes dq, dk, dv side by side into one [B, S, 3D] gradient of qkv. No copies either way."""
+
+    @staticmethod
+    def forward(ctx, qkv, num_heads: int, causal: bool, sm_scale: float, cos, sin, precise_fp32: bool):
+        qkv = qkv.contiguous()  # a projection's output already is: then this costs nothing
+        batch, seq_len, width = qkv.shape
+        dim = width // 3
+        head_dim = dim // num_heads
+        problem = _Problem(batch, num_heads, seq_len, head_dim,
+                           qkv_strides=(seq_len * width, head_dim, width),
+                           out_strides=(seq_len * dim, head_dim, dim),
+                           causal=causal, sm_scale=sm_scale, precision=_dot_precision(qkv.dtype, precise_fp32))
+        cos, sin = _rope_tables(cos, sin, seq_len, qkv.device)
+
+        q, k, v = qkv.split(dim, dim=-1)  # views of the same memory, starting 0, D and 2D columns in
+        out = _new_buffer((batch, seq_len, dim), qkv.dtype, qkv.device)
+        lse = _run_forward(problem, q, k, v, out, cos, sin)
+        ctx.save_for_backward(qkv, out, lse, cos, sin)
+        ctx.problem = problem
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qkv, out, lse, cos, sin = ctx.saved_tensors
+        problem = ctx.problem
+        dim = problem.heads * problem.head_dim
+        grad_out = grad_out.contiguous()  # as in FlashAttentionFunction: read with out's strides
+        grad_qkv = _new_buffer(qkv.shape, qkv.dtype, qkv.device)
+        q, k, v = qkv.split(dim, dim=-1)
+        dq, dk, dv = grad_qkv.split(dim, dim=-1)  # the kernels write straight into the three column blocks
+        _run_backward(problem, q, k, v, out, lse, cos, sin, grad_out, dq, dk, dv)
+        # One gradient per forward input: qkv, then none for num_heads, causal, sm_scale, cos, sin, precise_fp32.
+        return grad_qkv, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------------------
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     sm_scale: float | None = None, rope=None, precise_fp32: bool = False) -> torch.Tensor:
     """softmax(q k^T * sm_scale + causal mask) v without building the S x S matrix; differentiable.
@@ -459,3 +615,24 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     cos, sin = rope if rope is not None else (None, None)
     return FlashAttentionFunction.apply(q, k, v, causal, float(sm_scale), cos, sin, precise_fp32)
+
+
+def flash_attention_packed(qkv: torch.Tensor, num_heads: int, causal: bool = True, sm_scale: float | None = None,
+                           rope=None, precise_fp32: bool = False) -> torch.Tensor:
+    """flash_attention on the output of a fused QKV projection, returning the input of the output projection.
+
+    qkv: [B, S, 3 * D] with D = num_heads * Dh: per token the q heads, then the k heads, then the v heads
+        (head h of q in columns h*Dh : (h+1)*Dh, of k from D + h*Dh, of v from 2D + h*Dh), i.e. x @ W^T for
+        W = the q, k and v projection matrices stacked. Non-contiguous input is copied once.
+    Returns out: [B, S, D] contiguous, head h in columns h*Dh : (h+1)*Dh. The gradient of qkv comes back as one
+    [B, S, 3 * D] tensor. causal, sm_scale, rope, precise_fp32, dtypes and head dims: as for flash_attention.
+    The same as, without the two copies (and their two backward copies),
+        q, k, v = qkv.view(B, S, 3, H, Dh).permute(2, 0, 3, 1, 4)
+        flash_attention(q, k, v, ...).transpose(1, 2).reshape(B, S, D)
+    """
+    _check_packed_input(qkv, num_heads, rope)
+    head_dim = qkv.shape[-1] // (3 * num_heads)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    cos, sin = rope if rope is not None else (None, None)
+    return FlashAttentionPackedFunction.apply(qkv, num_heads, causal, float(sm_scale), cos, sin, precise_fp32)

@@ -50,6 +50,8 @@ prepare_output_dir nsys
 training_command
 
 rc=0
+# The model's named ranges (attention, ffn, rmsnorm, ...) become NVTX/roctx ranges on the timeline.
+export TT_NVTX=1
 run_cmd nsys profile --trace=cuda,nvtx,osrt --force-overwrite true -o "$OUTPUT_DIR/$NAME" \
     "${TRAIN_CMD[@]}" || rc=$?
 [[ "$rc" == 0 ]] || warn "nsys profile exited with $rc"

@@ -46,6 +46,8 @@ training_command
 # -o sets ROCPROFSYS_OUTPUT_PATH; the variable is also set for releases whose launcher reads only
 # the environment. TIME_OUTPUT=OFF: OUTDIR is already timestamped, no need for a second level.
 rc=0
+# The model's named ranges (attention, ffn, rmsnorm, ...) become NVTX/roctx ranges on the timeline.
+export TT_NVTX=1
 run_cmd env ROCPROFSYS_OUTPUT_PATH="$OUTPUT_DIR" ROCPROFSYS_TIME_OUTPUT=OFF \
     rocprof-sys-run --profile --trace -o "$OUTPUT_DIR" -- "${TRAIN_CMD[@]}" || rc=$?
 [[ "$rc" == 0 ]] || warn "rocprof-sys-run exited with $rc"

@@ -72,6 +72,14 @@ def test_canonical_weights_round_trip(version):
     assert all(torch.equal(back[name], weights[name]) for name in weights)
 
 
+@pytest.fixture(autouse=True)
+def restore_tf32_setting():
+    """gpu_model() switches TF32 matmuls globally: put the setting back so later tests see the default."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def gpu_model(version, config, exact_float32):
     torch.backends.cuda.matmul.allow_tf32 = not exact_float32   # v4's command line turns TF32 GEMMs on
     model = model_class(version)(config).cuda()

@@ -7,12 +7,14 @@ line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
 
 from .config import (ConfigError, ModelConfig, TrainConfig, check_compatible, load_yaml, preset_path,
                      split_settings)
+from .distributed import is_main_process, shutdown as leave_process_group
 from .profiling import SORT_KEYS
 
 EXIT_BAD_INPUT = 2
@@ -34,7 +36,8 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse, but an error is one line (program: error: ...) and exit code 2."""
 
     def error(self, message):
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
+        # Under torchrun every rank parses the same arguments: rank 0 alone says what is wrong.
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n" if is_main_process() else None)
 
 
 def positive_int(text: str) -> int:
@@ -90,12 +93,33 @@ def build_parser(spec: VersionSpec, prog: str | None = None) -> argparse.Argumen
     run.add_argument("--warmup-steps", type=non_negative_int,
                      help="TIMING warm-up: the first N steps are excluded from throughput figures "
                           "[min(5, (num_steps-1)//2)]")
-    run.add_argument("--learning-rate", type=positive_float, help="AdamW learning rate [1e-3]")
+    run.add_argument("--learning-rate", type=positive_float, help="peak AdamW learning rate [1e-3]")
+    run.add_argument("--lr-schedule", choices=["constant", "cosine"],
+                     help="learning rate over the run: constant, or cosine decay to 10%% of the peak [constant]")
+    run.add_argument("--lr-warmup-steps", type=non_negative_int,
+                     help="LEARNING-RATE warm-up: ramp the learning rate linearly to its peak over the first N "
+                          "steps (not --warmup-steps, which only excludes steps from the timing) [0]")
     run.add_argument("--seed", type=int, help="seed for weights and data [42]")
     run.add_argument("--device", choices=["auto", "cuda", "cpu"], help="cuda = any GPU (NVIDIA or AMD) [auto]")
     run.add_argument("--use-amp", action="store_true", default=None, help="mixed precision (autocast)")
     run.add_argument("--amp-dtype", choices=["bfloat16", "float16"], help="autocast dtype [bfloat16]")
-    run.add_argument("--data", help="markov (learnable, known optimum) | random | text:PATH [markov]")
+    run.add_argument("--data", help="markov (learnable, known optimum) | random | text:PATH (bytes of a file) | "
+                                    "text:stdlib (Python's standard-library source, built in) [markov]")
+
+    keep = parser.add_argument_group("validation and checkpoints")
+    keep.add_argument("--eval-every", type=non_negative_int,
+                      help="report the held-out (validation) loss every N steps and at the end; 0 = never [0]")
+    keep.add_argument("--eval-batches", type=positive_int,
+                      help="batches per validation: the same fixed batches every time [8]")
+    keep.add_argument("--save-every", type=non_negative_int,
+                      help="write a checkpoint every N steps and at the end; 0 = only when stopped by "
+                           "Ctrl-C / SIGTERM [0]")
+    keep.add_argument("--checkpoint-dir", help="where checkpoints are written [checkpoints]")
+    keep.add_argument("--keep-last", type=non_negative_int,
+                      help="keep only the newest K checkpoints in --checkpoint-dir; 0 = keep all [3]")
+    keep.add_argument("--resume", metavar="PATH|auto",
+                      help="continue a run from a checkpoint file, or 'auto': the newest valid checkpoint in "
+                           "--checkpoint-dir (none there: start from step 0). --num-steps is the run's total")
 
     out = parser.add_argument_group("output")
     out.add_argument("--output-json", help="write the run's metrics (config, device, speed, memory, loss) here")
@@ -105,6 +129,23 @@ def build_parser(spec: VersionSpec, prog: str | None = None) -> argparse.Argumen
                      help="also time forward / backward / optimizer separately")
     out.add_argument("--validate-setup", action="store_true", default=None,
                      help="check the environment (device, libraries, a tiny step) before running")
+
+    par = parser.add_argument_group(
+        "data parallel (start with: torchrun --nproc-per-node N SCRIPT ...; see README, Scaling out)")
+    par.add_argument("--dist-backend", choices=["auto", "nccl", "gloo"],
+                     help="communication library: nccl (RCCL on ROCm) between GPUs, gloo between CPU processes "
+                          "[auto]")
+    par.add_argument("--deepspeed", action="store_true", default=None,
+                     help="train through DeepSpeed's engine instead of DistributedDataParallel")
+    par.add_argument("--zero-stage", type=non_negative_int,
+                     help="DeepSpeed ZeRO stage: 0 none, 1 partition the optimizer state, 2 and the gradients "
+                          "[0]; 3 is not supported")
+    par.add_argument("--deepspeed-config", metavar="FILE.json",
+                     help="a DeepSpeed configuration file (implies --deepspeed); batch, optimizer, schedule and "
+                          "precision still come from the flags")
+    # The deepspeed launcher appends --local_rank=N to the script's arguments; the same number is in the
+    # LOCAL_RANK environment variable, which is what we read. Accepted here so that argparse does not refuse it.
+    par.add_argument("--local-rank", "--local_rank", dest="launcher_local_rank", type=int, help=argparse.SUPPRESS)
 
     prof = parser.add_argument_group("profiling")
     prof.add_argument("--enable-pytorch-profiler", action="store_true", default=None,
@@ -154,19 +195,38 @@ def run(spec: VersionSpec, argv=None) -> int:
     from .trainer import Trainer  # after parsing: --help stays fast
     try:
         model_config, train_config = resolve_configs(args)
-        trainer = Trainer(spec, model_config, train_config, args)
+        trainer = Trainer(spec, model_config, train_config, args,
+                          argv=list(sys.argv[1:] if argv is None else argv))
         if train_config.validate_setup:
             from .validate import validate_setup
             if not validate_setup(trainer):
                 return 1
-        trainer.run()
+        result = trainer.run()
+        if result.exit_code:   # stopped early by SIGINT / SIGTERM after writing a checkpoint
+            return result.exit_code
         if train_config.validate_setup:
             from .validate import check_outputs
             return 0 if check_outputs(trainer) else 1
     except ConfigError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        if is_main_process():   # every rank finds the same error; one line is enough
+            print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of our output went away (e.g. `... | head`): stop quietly, as command-line tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except torch_oom_errors() as error:
+        print(f"{parser.prog}: error: out of GPU memory ({str(error).splitlines()[0][:120]}); "
+              f"reduce --batch-size or --seq-len", file=sys.stderr)
+        return 1
+    finally:
+        leave_process_group()   # a data-parallel run (or one that failed half-way) leaves its process group
     return 0
+
+
+def torch_oom_errors() -> tuple:
+    import torch
+    return (torch.cuda.OutOfMemoryError,)

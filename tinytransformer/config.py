@@ -57,13 +57,21 @@ class TrainConfig:
     seq_len: int = 128
     num_steps: int = 100             # total optimizer steps of the run
     warmup_steps: int = 5            # TIMING warm-up: these steps are excluded from throughput figures
-    learning_rate: float = 1e-3
+    learning_rate: float = 1e-3      # the peak learning rate of the schedule
+    lr_schedule: str = "constant"    # constant | cosine
+    lr_warmup_steps: int = 0         # LEARNING-RATE warm-up: linear ramp to the peak (not the timing warm-up)
     weight_decay: float = 0.0
     seed: int = 42
     device: str = "auto"             # auto | cuda | cpu
     use_amp: bool = False
     amp_dtype: str = "bfloat16"      # bfloat16 | float16
-    data: str = "markov"             # markov | random | text:PATH
+    data: str = "markov"             # markov | random | text:PATH | text:stdlib
+    eval_every: int = 0              # validation loss every N steps (0: never)
+    eval_batches: int = 8            # batches per validation: the same fixed batches every time
+    save_every: int = 0              # checkpoint every N steps, and at the end (0: only when stopped by a signal)
+    checkpoint_dir: str = "checkpoints"
+    keep_last: int = 3               # checkpoints kept in checkpoint_dir (0: all)
+    resume: str | None = None        # a checkpoint file, or "auto": the newest valid one in checkpoint_dir
     log_every: int = 10
     output_json: str | None = None
     tensorboard_dir: str | None = None
@@ -77,13 +85,22 @@ class TrainConfig:
     sort_by: str = "self_device_time_total"
     profile_steps: int = 3
     enable_deepspeed_flops: bool = False
+    # data parallel (tinytransformer/distributed.py): active when started by torchrun / the deepspeed launcher
+    dist_backend: str = "auto"       # auto (nccl on GPUs = RCCL on ROCm, gloo on CPU) | nccl | gloo
+    deepspeed: bool = False          # DeepSpeed's engine instead of DistributedDataParallel
+    zero_stage: int | None = None    # DeepSpeed ZeRO stage 0, 1 or 2 (None: the config file's, else 0)
+    deepspeed_config: str | None = None   # a DeepSpeed JSON file (implies deepspeed)
     extra: dict = field(default_factory=dict)  # version-specific options (fusion switches, ...)
 
     def validate(self) -> None:
-        for name in ("batch_size", "seq_len", "num_steps", "log_every", "profile_steps"):
+        for name in ("batch_size", "seq_len", "num_steps", "log_every", "profile_steps", "eval_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("lr_warmup_steps", "eval_every", "save_every", "keep_last"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
         if self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.warmup_steps >= self.num_steps:
@@ -91,14 +108,49 @@ class TrainConfig:
                               f"({self.num_steps}): no step would be left to time")
         if not self.learning_rate > 0:
             raise ConfigError(f"learning_rate must be positive, got {self.learning_rate}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ConfigError(f"lr_schedule must be constant or cosine, got {self.lr_schedule!r}")
+        if self.lr_warmup_steps >= self.num_steps:
+            raise ConfigError(f"lr_warmup_steps ({self.lr_warmup_steps}) must be smaller than num_steps "
+                              f"({self.num_steps})")
+        if not self.checkpoint_dir:
+            raise ConfigError("checkpoint_dir must not be empty")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"device must be auto, cuda or cpu, got {self.device!r}")
         if self.amp_dtype not in ("bfloat16", "float16"):
             raise ConfigError(f"amp_dtype must be bfloat16 or float16, got {self.amp_dtype!r}")
         if not (self.data in ("markov", "random") or self.data.startswith("text:")):
-            raise ConfigError(f"unknown --data {self.data!r}: use markov, random or text:PATH")
+            raise ConfigError(f"unknown --data {self.data!r}: use markov, random, text:PATH or text:stdlib")
         if self.data == "text:":
             raise ConfigError("--data text:PATH needs a file path after 'text:'")
+        self.validate_data_parallel()
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.deepspeed or self.deepspeed_config is not None
+
+    def validate_data_parallel(self) -> None:
+        if self.dist_backend not in ("auto", "nccl", "gloo"):
+            raise ConfigError(f"dist_backend must be auto, nccl or gloo, got {self.dist_backend!r}")
+        if self.zero_stage is not None and not self.uses_deepspeed:
+            raise ConfigError("--zero-stage is a DeepSpeed setting: add --deepspeed")
+        if self.zero_stage is not None:
+            check_zero_stage(self.zero_stage)
+        if self.uses_deepspeed and (self.save_every or self.resume):
+            raise ConfigError("checkpoints (--save-every, --resume) are not supported with --deepspeed: the optimizer "
+                              "state lives inside DeepSpeed's engine (partitioned under ZeRO); use torchrun "
+                              "without --deepspeed (DDP) for checkpointed runs")
+
+
+def check_zero_stage(stage) -> None:
+    """DeepSpeed ZeRO stages this harness supports: 0 (plain data parallel), 1 (optimizer state partitioned over
+    the ranks) and 2 (gradients partitioned too)."""
+    if stage == 3:
+        raise ConfigError("ZeRO stage 3 is not supported here: it partitions the parameters themselves, and the "
+                          "harness needs whole parameters on every rank (load_canonical, checkpoints, validation); "
+                          "use --zero-stage 0, 1 or 2")
+    if stage not in (0, 1, 2) or isinstance(stage, bool):
+        raise ConfigError(f"--zero-stage must be 0, 1 or 2, got {stage!r}")
 
 
 def check_compatible(model: ModelConfig, train: TrainConfig) -> None:

@@ -8,10 +8,15 @@ prints "optimum loss = X", and a correct model visibly approaches it.
 Every corpus lives on the training device as a [rows, row_len] tensor of token ids. The batch of step t is a
 function of (seed, t) alone: a counter-based hash picks each sample's window. A resumed run, or a run on any
 number of ranks, therefore sees the same global batch at every step; rank r takes its contiguous slice.
+
+Real text needs no download: `--data text:stdlib` trains on the source code of a fixed list of Python
+standard-library modules, read from the running Python's installation (its bytes depend on the Python version).
 """
 from __future__ import annotations
 
+import inspect
 import math
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +146,45 @@ def _random_corpus(vocab_size: int, seq_len: int, seed: int, device) -> tuple[Co
     return Corpus(train.to(device), description, optimum), Corpus(valid.to(device), description, optimum)
 
 
+# --data text:stdlib: real text that every machine with Python already has, so no download is needed. The
+# modules are a fixed, sorted list (~2.9 MB of source on Python 3.11); a module missing from this Python is
+# skipped. The exact bytes therefore depend on the Python version: compare losses only between runs on the
+# same Python (the run header prints the version and the byte count).
+STDLIB_TEXT = "stdlib"
+STDLIB_MODULES = (
+    "argparse", "ast", "base64", "bdb", "calendar", "codecs", "configparser", "contextlib", "copy", "csv",
+    "dataclasses", "datetime", "difflib", "dis", "doctest", "enum", "fractions", "ftplib", "functools",
+    "gettext", "gzip", "heapq", "imaplib", "inspect", "ipaddress", "locale", "mailbox", "optparse", "os",
+    "pathlib", "pdb", "pickle", "pickletools", "platform", "plistlib", "pprint", "pydoc", "queue", "random",
+    "shutil", "smtplib", "socket", "ssl", "statistics", "string", "subprocess", "tarfile", "tempfile",
+    "textwrap", "threading", "tokenize", "traceback", "typing", "uuid", "warnings", "weakref", "zipfile",
+)
+STDLIB_MIN_BYTES = 1_000_000
+
+
+def stdlib_source_dir() -> Path:
+    """The directory of the running Python's pure-Python standard library (where inspect.py lives)."""
+    return Path(inspect.getfile(inspect)).resolve().parent
+
+
+def stdlib_text_bytes() -> bytes:
+    """The source of STDLIB_MODULES, in that order, each preceded by a one-line header naming its file."""
+    root = stdlib_source_dir()
+    parts = []
+    for name in STDLIB_MODULES:
+        # A module may be a file (pathlib.py) or, in newer Pythons, a package (pathlib/__init__.py).
+        for candidate in (root / f"{name}.py", root / name / "__init__.py"):
+            if candidate.is_file():
+                relative = candidate.relative_to(root).as_posix()
+                parts.append(f"# ===== {relative} =====\n".encode() + candidate.read_bytes())
+                break
+    data = b"\n".join(parts)
+    if len(data) < STDLIB_MIN_BYTES:
+        raise ConfigError(f"--data text:stdlib found only {len(data):,} bytes of Python source in {root} "
+                          f"(is the standard library installed without its .py files?); use text:PATH")
+    return data
+
+
 def read_text_bytes(path: str | Path) -> bytes:
     path = Path(path)
     if path.is_dir():
@@ -155,7 +199,12 @@ def _text_corpus(path: str, vocab_size: int, seq_len: int, device) -> tuple[Corp
     if vocab_size < 256:
         raise ConfigError(f"--data text:PATH uses byte tokens (256 ids); --vocab-size must be >= 256, "
                           f"got {vocab_size}")
-    data = read_text_bytes(path)
+    if path == STDLIB_TEXT:
+        data = stdlib_text_bytes()
+        source = f"the Python {platform.python_version()} standard library's source ({len(STDLIB_MODULES)} modules)"
+    else:
+        data = read_text_bytes(path)
+        source = str(path)
     split = int(len(data) * (1 - VALIDATION_FRACTION))
     train_bytes, valid_bytes = data[:split], data[split:]
     needed = seq_len + 2
@@ -164,7 +213,7 @@ def _text_corpus(path: str, vocab_size: int, seq_len: int, device) -> tuple[Corp
                           f"{math.ceil(needed / VALIDATION_FRACTION)} for --seq-len {seq_len} "
                           f"(90% train / 10% validation)")
     as_row = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8).to(torch.int64)[None, :]  # noqa: E731
-    description = f"byte-level text from {path} ({len(data):,} bytes, 90/10 train/validation split)"
+    description = f"byte-level text from {source}: {len(data):,} bytes, 90/10 train/validation split"
     return (Corpus(as_row(train_bytes).to(device), description, None),
             Corpus(as_row(valid_bytes).to(device), description + " (validation split)", None))
 
@@ -177,7 +226,7 @@ def build_corpora(data: str, vocab_size: int, seq_len: int, seed: int, device) -
         return _random_corpus(vocab_size, seq_len, seed, device)
     if data.startswith("text:"):
         return _text_corpus(data[len("text:"):], vocab_size, seq_len, device)
-    raise ConfigError(f"unknown --data {data!r}: use markov, random or text:PATH")
+    raise ConfigError(f"unknown --data {data!r}: use markov, random, text:PATH or text:stdlib")
 
 
 class BatchStream:

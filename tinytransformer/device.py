@@ -30,6 +30,21 @@ PEAK_TFLOPS = [
     ("MI210", {"float32": 45.3, "tf32": 45.3, "bfloat16": 181.0, "float16": 181.0}),
 ]
 
+# Peak memory bandwidth in TB/s (HBM, data sheets), for the roofline's sloped roof. Matched like PEAK_TFLOPS.
+PEAK_BANDWIDTH_TBS = [
+    ("H200", 4.8),
+    ("H100 PCIe", 2.0),
+    ("H100", 3.35),        # SXM
+    ("A100", 2.0),         # 80 GB SXM (the 40 GB part has 1.6)
+    ("L40S", 0.864),
+    ("MI300X", 5.3),
+    ("MI300A", 5.3),
+    ("MI325X", 6.0),
+    ("MI250X", 3.2),
+    ("MI250", 3.2),
+    ("MI210", 1.6),
+]
+
 
 @dataclass
 class DeviceInfo:
@@ -81,6 +96,14 @@ def peak_tflops(device_name: str, dtype: str, tf32: bool = False) -> float | Non
     for fragment, peaks in PEAK_TFLOPS:
         if fragment.lower() in device_name.lower():
             return peaks.get(key)
+    return None
+
+
+def peak_bandwidth_tbs(device_name: str) -> float | None:
+    """The data-sheet memory bandwidth of this device in TB/s, or None when we do not know the device."""
+    for fragment, bandwidth in PEAK_BANDWIDTH_TBS:
+        if fragment.lower() in device_name.lower():
+            return bandwidth
     return None
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -67,11 +69,12 @@ class PyTorchProfilerSession:
         activities = [ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        tensorboard_handler = torch.profiler.tensorboard_trace_handler(str(self.dir / "tensorboard"))
 
         def on_trace_ready(prof):
             prof.export_chrome_trace(str(self.trace_path))
-            tensorboard_handler(prof)
+            # torch exports a recorded trace only once ("Trace is already saved"), so TensorBoard gets a
+            # copy of the file, under the name its profiler plugin looks for (*.pt.trace.json).
+            self.copy_trace_for_tensorboard()
 
         self.profiler = torch.profiler.profile(
             activities=activities,
@@ -82,6 +85,14 @@ class PyTorchProfilerSession:
             with_stack=profile_memory,   # the memory timeline needs stacks; traces stay small otherwise
         )
         self.steps_done = 0
+
+    def copy_trace_for_tensorboard(self) -> Path:
+        """Copy the Chrome trace to <profile_dir>/tensorboard/<host>_<pid>.<ns>.pt.trace.json."""
+        tensorboard_dir = self.dir / "tensorboard"
+        tensorboard_dir.mkdir(parents=True, exist_ok=True)
+        target = tensorboard_dir / f"{socket.gethostname()}_{os.getpid()}.{time.time_ns()}.pt.trace.json"
+        shutil.copyfile(self.trace_path, target)
+        return target
 
     def start(self):
         self.profiler.start()

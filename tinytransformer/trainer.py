@@ -5,12 +5,19 @@ Timing. GPU work is asynchronous: a Python timer around `loss.backward()` measur
 synchronous, by a host clock). Events are read only at log points, so timing adds no synchronisation to
 the loop. The first --warmup-steps steps (allocator growth, cuBLAS/Triton compilation, torch.compile) are
 excluded, and the summary reports the MEDIAN step time with its spread.
+
+Long runs. `--eval-every` measures the validation loss (outside the timed regions), `--lr-schedule` shapes the
+learning rate, `--save-every` writes checkpoints (tinytransformer/checkpoint.py) and `--resume` continues a
+run exactly where it stopped: step t's batch and learning rate are functions of t, and the checkpoint holds
+everything else (weights, optimizer state, random-number states, the loss history). Ctrl-C or SIGTERM ends the
+current step, writes a checkpoint and prints how to resume.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import shlex
 import statistics
 import sys
 import time
@@ -19,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from . import checkpoint as ckpt
 from . import flops as flops_mod
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import BatchStream, build_corpora
@@ -125,12 +133,76 @@ class EagerStep:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Learning-rate schedule and validation loss
+# ----------------------------------------------------------------------------------------------------------
+COSINE_FLOOR = 0.1   # the cosine schedule decays to 10% of the peak learning rate
+
+
+def learning_rate_at(step: int, train: TrainConfig) -> float:
+    """The learning rate of step `step` (0-based). A pure function of the step, so a resumed run needs no
+    scheduler state. Linear warm-up over --lr-warmup-steps (step 0 already learns: peak / warm-up steps), then
+    either constant or a cosine decay that reaches COSINE_FLOOR * peak at the run's last step."""
+    peak, warmup = train.learning_rate, train.lr_warmup_steps
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if train.lr_schedule == "constant":
+        return peak
+    progress = min(1.0, (step - warmup) / max(1, train.num_steps - 1 - warmup))
+    floor = COSINE_FLOOR * peak
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Write the learning rate into every param_group['lr'] (the trainer does this before a step).
+
+    A float is replaced. A TENSOR learning rate, which a CUDA/HIP-graph-captured optimizer step needs (see
+    make_learning_rate_a_tensor), is updated in place: the captured graph re-reads that very tensor on every
+    replay, while a new Python float would never reach it.
+    """
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def schedule_varies(train: TrainConfig) -> bool:
+    return train.lr_schedule != "constant" or train.lr_warmup_steps > 0
+
+
+def make_learning_rate_a_tensor(optimizer: torch.optim.Optimizer) -> None:
+    """A capturable optimizer (one whose step a CUDA/HIP graph may capture) gets its learning rate as a 0-dim
+    tensor on the parameters' device: a graph bakes a Python float in at capture time, but re-reads a tensor
+    at every replay. torch's AdamW accepts a tensor lr when capturable=True or fused=True."""
+    for group in optimizer.param_groups:
+        if group.get("capturable") and not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=group["params"][0].device)
+
+
+@torch.no_grad()
+def validation_loss(model, stream: BatchStream, num_batches: int, device, train: TrainConfig) -> float:
+    """Mean loss of the first `num_batches` batches of the validation stream: the same batches every time (a
+    function of the seed), under the run's autocast setting, without gradients."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    with autocast_context(device, train):
+        for index in range(num_batches):
+            inputs, targets = stream.batch(index)
+            _, loss = model(inputs, targets)
+            total += loss.float()
+    model.train(was_training)
+    return (total / num_batches).item()
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------------------------
 @dataclass
 class RunResult:
     metrics: dict
     losses: list[float] = field(default_factory=list)
+    exit_code: int = 0           # 0, or 143 when SIGTERM stopped the run (SIGINT stops it with 0)
 
 
 def profiler_window(num_steps: int, warmup_steps: int, profile_steps: int) -> tuple[int, int, int, int]:
@@ -144,8 +216,11 @@ def profiler_window(num_steps: int, warmup_steps: int, profile_steps: int) -> tu
 
 
 class Trainer:
-    def __init__(self, spec, model_config: ModelConfig, train: TrainConfig, args, out=sys.stdout):
-        self.spec, self.model_config, self.train, self.args, self.out = spec, model_config, train, args, out
+    def __init__(self, spec, model_config: ModelConfig, train: TrainConfig, args, out=None,
+                 argv: list[str] | None = None):
+        self.spec, self.model_config, self.train, self.args = spec, model_config, train, args
+        self.out = out if out is not None else sys.stdout   # looked up now, so that tests can capture it
+        self.argv = list(sys.argv[1:] if argv is None else argv)   # to print the command that resumes the run
         self.device = resolve_device(train.device)
         if train.use_amp and self.device.type == "cpu" and train.amp_dtype == "float16":
             raise ConfigError("--use-amp with --amp-dtype float16 is not supported on the CPU; "
@@ -159,22 +234,61 @@ class Trainer:
     # -- set-up --------------------------------------------------------------------------------------------
     def build(self) -> None:
         cfg, train = self.model_config, self.train
+        # A bad --resume fails first: one line, before anything is built or written.
+        resume = (ckpt.find_checkpoint_to_resume(train.resume, train.checkpoint_dir, cfg, self.log)
+                  if train.resume else None)
         torch.manual_seed(train.seed)
         self.model = self.spec.build_model(cfg, self.args)
         self.model.load_canonical(init_canonical_weights(cfg, train.seed))
         self.model.to(self.device)
         self.optimizer = default_optimizer(self.model, train)
-        train_corpus, _ = build_corpora(train.data, cfg.vocab_size, train.seq_len, train.seed, self.device)
-        self.corpus = train_corpus
+        train_corpus, valid_corpus = build_corpora(train.data, cfg.vocab_size, train.seq_len, train.seed,
+                                                   self.device)
+        self.corpus, self.valid_corpus = train_corpus, valid_corpus
         self.stream = BatchStream(train_corpus, train.seq_len, train.batch_size, train.seed)
+        self.eval_stream = BatchStream(valid_corpus, train.seq_len, train.batch_size, train.seed)
+        self.start_step, self.loss_history, self.eval_history = 0, [], []
+        self.resumed_from, self.resume_notes, self.rng_to_restore = None, [], None
+        self._corpus_fingerprint = None
+        if resume is not None:
+            self.resume_from_checkpoint(*resume)
+        if schedule_varies(train):
+            make_learning_rate_a_tensor(self.optimizer)
+        # After the restore: a step that captures a CUDA/HIP graph must see the restored tensors.
         self.phase_timer = StepTimer(self.device) if train.timing_breakdown else None
         if self.spec.make_step is not None:
             self.step_fn = self.spec.make_step(self.model, self.optimizer, self.device, train, self.args)
         else:
             self.step_fn = EagerStep(self.model, self.optimizer, self.device, train, self.phase_timer)
+        if resume is not None:
+            ckpt.restore_scaler(resume[1], getattr(self.step_fn, "scaler", None))
         if train.timing_breakdown and not getattr(self.step_fn, "supports_breakdown", False):
             self.log("note: --timing-breakdown is not available for this step implementation; ignored")
             self.phase_timer = None
+
+    def resume_from_checkpoint(self, path, checkpoint: dict) -> None:
+        """Weights, optimizer state and history from a validated checkpoint (RNG states just before the loop)."""
+        if checkpoint["step"] > self.train.num_steps:
+            raise ckpt.CheckpointError(f"{path} is at step {checkpoint['step']}, beyond --num-steps "
+                                       f"{self.train.num_steps} (the run's total); raise --num-steps")
+        ckpt.restore_training_state(checkpoint, self.model, self.optimizer)
+        self.start_step = checkpoint["step"]
+        self.loss_history = list(checkpoint["history"]["train_loss"])
+        self.eval_history = [list(pair) for pair in checkpoint["history"]["eval"]]
+        self.rng_to_restore = checkpoint["rng"]
+        self.resumed_from = str(path)
+        self.resume_notes = ckpt.setting_differences(checkpoint, self.train)
+        if checkpoint.get("corpus") and checkpoint["corpus"] != self.corpus_fingerprint():
+            self.resume_notes.append("the training data differs from the checkpoint's (another file, or "
+                                     "text:stdlib of another Python version)")
+        if checkpoint["version"] != self.spec.name:
+            self.resume_notes.append(f"written by {checkpoint['version']}, continued by {self.spec.name} "
+                                     f"(canonical weights and optimizer state)")
+
+    def corpus_fingerprint(self) -> str:
+        if self._corpus_fingerprint is None:
+            self._corpus_fingerprint = ckpt.corpus_fingerprint(self.corpus.tokens)
+        return self._corpus_fingerprint
 
     def print_header(self) -> None:
         info = describe(self.device)
@@ -193,6 +307,22 @@ class Trainer:
         if self.corpus.optimum_loss is not None:
             self.log(f"optimum loss: {self.corpus.optimum_loss:.4f} nats (start ~ ln {cfg.vocab_size} = "
                      f"{math.log(cfg.vocab_size):.4f})")
+        if schedule_varies(train):
+            end = COSINE_FLOOR * train.learning_rate if train.lr_schedule == "cosine" else train.learning_rate
+            self.log(f"lr schedule : {train.lr_schedule}, {train.lr_warmup_steps} lr warm-up steps, "
+                     f"peak {train.learning_rate:g} -> {end:g} at the last step")
+        if train.eval_every:
+            self.log(f"validation  : every {train.eval_every} steps and at the end, on {train.eval_batches} "
+                     f"fixed held-out batches")
+        if train.save_every:
+            keep = f"keep last {train.keep_last}" if train.keep_last else "keep all"
+            self.log(f"checkpoints : every {train.save_every} steps and at the end, into "
+                     f"{train.checkpoint_dir}/ ({keep})")
+        if self.resumed_from:
+            complete = " (the run is already complete)" if self.start_step == train.num_steps else ""
+            self.log(f"resumed     : from {self.resumed_from} at step {self.start_step}/{train.num_steps}{complete}")
+            for note in self.resume_notes:
+                self.log(f"note        : {note}")
 
     def variant_description(self) -> dict:
         return self.spec.describe(self.args) if self.spec.describe else {}
@@ -202,48 +332,77 @@ class Trainer:
         self.build()
         self.print_header()
         train = self.train
+        first = self.start_step    # 0, or the step a resumed run continues from
         timer = StepTimer(self.device)
         losses = torch.full((train.num_steps,), float("nan"), device=self.device)
+        if first:
+            losses[:first] = torch.tensor(self.loss_history, dtype=losses.dtype)
         step_ms: dict[int, float] = {}
-        excluded: set[int] = set(range(train.warmup_steps))
+        excluded: set[int] = set(range(first, first + train.warmup_steps))
         profiler, profile_first = self.make_profiler(excluded)
         writer = self.make_tensorboard_writer()
         reset_peak_memory(self.device)
-        interval_start = 0
+        if self.rng_to_restore is not None:
+            ckpt.restore_rng_state(self.rng_to_restore)
+        interval_start = first
+        self.current_lr = None
+        self.eval_seconds = 0.0
+        self.last_checkpoint = None
+        steps_done, stopped_by, exit_code = first, None, 0
         run_started = time.perf_counter()
 
-        for step in range(train.num_steps):
-            if profiler is not None and step == profile_first:
-                profiler.start()
-            inputs, targets = self.stream.batch(step)
-            start = timer.mark()
-            loss = self.step_fn(inputs, targets)
-            timer.add((start, timer.mark()))
-            losses[step] = loss
-            if profiler is not None and profile_first <= step and profiler.steps_done < profiler.total_steps:
-                if profiler.step():
-                    self.finish_profile(profiler)
-            if (step + 1) % train.log_every == 0 or step == 0 or step + 1 == train.num_steps:
-                for offset, (ms,) in enumerate(timer.collect()):
-                    step_ms[interval_start + offset] = ms
-                interval_start = step + 1
-                self.log_step(step, losses, step_ms, writer)
+        with ckpt.StopOnSignal() as stop:
+            for step in range(first, train.num_steps):
+                if profiler is not None and step == profile_first:
+                    profiler.start()
+                self.apply_learning_rate(step)
+                inputs, targets = self.stream.batch(step)
+                start = timer.mark()
+                loss = self.step_fn(inputs, targets)
+                timer.add((start, timer.mark()))
+                losses[step] = loss
+                steps_done = step + 1
+                if profiler is not None and profile_first <= step and profiler.steps_done < profiler.total_steps:
+                    if profiler.step():
+                        self.finish_profile(profiler)
+                stopping = stop.requested   # read once: a signal may arrive at any moment
+                if (steps_done % train.log_every == 0 or step == first or steps_done == train.num_steps
+                        or stopping):
+                    for offset, (ms,) in enumerate(timer.collect()):
+                        step_ms[interval_start + offset] = ms
+                    interval_start = steps_done
+                    self.log_step(step, losses, step_ms, writer)
+                # Validation and checkpoints run between the timed regions: they never count as step time.
+                if train.eval_every and (steps_done % train.eval_every == 0 or steps_done == train.num_steps):
+                    self.run_validation(steps_done, writer)
+                if stopping:
+                    stopped_by = stop.name
+                    self.log(f"{stopped_by} received: stopping after step {steps_done}, writing a checkpoint")
+                if stopping or (train.save_every and (steps_done % train.save_every == 0
+                                                      or steps_done == train.num_steps)):
+                    self.save_checkpoint(steps_done, losses)
+                if stopping:
+                    exit_code = stop.exit_code
+                    break
         if profiler is not None and profiler.steps_done < profiler.total_steps:
             profiler.stop()
             self.finish_profile(profiler)
         synchronize(self.device)
         wall_seconds = time.perf_counter() - run_started
 
-        loss_values = losses.tolist()
+        loss_values = losses[:steps_done].tolist()
         if not all(math.isfinite(v) for v in loss_values):
             first_bad = next(i for i, v in enumerate(loss_values) if not math.isfinite(v))
             self.log(f"warning: the loss became non-finite at step {first_bad} (diverged)")
         timed = [ms for s, ms in sorted(step_ms.items()) if s not in excluded]
         note = None
         if not timed:  # a very short run: everything was warm-up or profiled; time it anyway, and say so
-            timed = [ms for s, ms in sorted(step_ms.items()) if s >= min(train.warmup_steps, train.num_steps - 1)]
+            timed = ([ms for s, ms in sorted(step_ms.items())
+                      if s >= min(first + train.warmup_steps, train.num_steps - 1)]
+                     or [ms for _, ms in sorted(step_ms.items())])
             note = "every step was warm-up or profiled; the times include that overhead"
         metrics = self.build_metrics(loss_values, timed, wall_seconds, note)
+        metrics.update(self.long_run_metrics(first, steps_done, stopped_by))
         if self.phase_timer is not None:
             metrics["timing_breakdown"] = self.phase_breakdown()
         if train.enable_deepspeed_flops:
@@ -256,26 +415,100 @@ class Trainer:
         if train.output_json:
             write_json(train.output_json, metrics)
             self.log(f"metrics JSON: {train.output_json}")
-        return RunResult(metrics, loss_values)
+        if stopped_by:
+            self.print_resume_hint(stopped_by, steps_done)
+        return RunResult(metrics, loss_values, exit_code=exit_code)
+
+    def apply_learning_rate(self, step: int) -> None:
+        """Set the schedule's learning rate before the step, only when it changes (a tensor lr costs a kernel)."""
+        lr = learning_rate_at(step, self.train)
+        if lr != self.current_lr:
+            set_learning_rate(self.optimizer, lr)
+            self.current_lr = lr
 
     def log_step(self, step, losses, step_ms, writer) -> None:
         value = losses[step].item()
         recent = [ms for s, ms in step_ms.items() if s > step - self.train.log_every and s <= step]
         ms = statistics.median(recent) if recent else float("nan")
         samples_per_s = self.train.batch_size / (ms / 1e3) if ms > 0 else float("nan")
+        scheduled = schedule_varies(self.train)
         self.log(f"step {step + 1:>6}/{self.train.num_steps} | loss {value:.4f} | "
-                 f"{samples_per_s:10.1f} samples/s | {ms:8.2f} ms/step")
+                 f"{samples_per_s:10.1f} samples/s | {ms:8.2f} ms/step"
+                 + (f" | lr {self.current_lr:.2e}" if scheduled else ""))
         if writer is not None:
             writer.add_scalar("train/loss", value, step + 1)
             writer.add_scalar("train/samples_per_s", samples_per_s, step + 1)
+            writer.add_scalar("train/lr", self.current_lr, step + 1)
+
+    def run_validation(self, steps_done: int, writer) -> None:
+        started = time.perf_counter()
+        value = validation_loss(self.model, self.eval_stream, self.train.eval_batches, self.device, self.train)
+        self.eval_seconds += time.perf_counter() - started
+        self.eval_history.append([steps_done, value])
+        optimum = self.valid_corpus.optimum_loss
+        gap = f" (optimum {optimum:.4f}, gap {value - optimum:.4f} nats)" if optimum is not None else ""
+        self.log(f"eval {steps_done:>6}/{self.train.num_steps} | validation loss {value:.4f}{gap}")
+        if writer is not None:
+            writer.add_scalar("eval/loss", value, steps_done)
+
+    def save_checkpoint(self, steps_done: int, losses: torch.Tensor) -> None:
+        """Rank 0 writes the checkpoint of the state after `steps_done` steps, then drops the oldest ones."""
+        if not ckpt.is_main_process():
+            return
+        train = self.train
+        payload = ckpt.build_checkpoint(
+            version=self.spec.name, step=steps_done, model=self.model, optimizer=self.optimizer,
+            scaler=getattr(self.step_fn, "scaler", None), model_config=self.model_config, train_config=train,
+            losses=losses[:steps_done].tolist(), evals=self.eval_history, corpus=self.corpus_fingerprint())
+        path = ckpt.save_atomically(payload, ckpt.checkpoint_path(train.checkpoint_dir, steps_done))
+        ckpt.remove_old_checkpoints(train.checkpoint_dir, train.keep_last)
+        self.last_checkpoint = str(path)
+        self.log(f"checkpoint  : {path} (step {steps_done})")
+
+    def print_resume_hint(self, signal_name: str, steps_done: int) -> None:
+        if self.last_checkpoint is None:   # not rank 0
+            return
+        args, given = [], iter(self.argv)
+        for arg in given:   # the same command, with any earlier --resume replaced
+            if arg == "--resume":
+                next(given, None)   # and its value
+            elif not arg.startswith("--resume="):
+                args.append(arg)
+        script = sys.argv[0] if sys.argv[0].endswith(".py") else f"tiny_llama_{self.spec.name}.py"
+        self.log(f"stopped by {signal_name} after step {steps_done}/{self.train.num_steps}; "
+                 f"checkpoint: {self.last_checkpoint}")
+        self.log(f"resume with: python {shlex.join([script] + args + ['--resume', 'auto'])}")
+
+    def long_run_metrics(self, first: int, steps_done: int, stopped_by: str | None) -> dict:
+        """What the JSON says about the schedule, validation and checkpoints of this run."""
+        train = self.train
+        status = f"stopped by {stopped_by}" if stopped_by else "completed"
+        return {
+            "steps_completed": steps_done,
+            "status": status,
+            "lr_schedule": {"kind": train.lr_schedule, "peak": train.learning_rate,
+                            "warmup_steps": train.lr_warmup_steps,
+                            "final": learning_rate_at(max(0, steps_done - 1), train)},
+            "eval": {
+                "every": train.eval_every, "batches": train.eval_batches,
+                "history": [{"step": s, "loss": v} for s, v in self.eval_history],
+                "final": self.eval_history[-1][1] if self.eval_history else None,
+                "optimum": self.valid_corpus.optimum_loss,
+                "seconds_this_process": self.eval_seconds,
+            },
+            "checkpoint": {"resumed_from": self.resumed_from,
+                           "resumed_at_step": first if self.resumed_from else None,
+                           "last_written": self.last_checkpoint},
+        }
 
     # -- optional tools ---------------------------------------------------------------------------------------
     def make_profiler(self, excluded: set[int]):
         self.profile_result = None
-        if not self.train.enable_pytorch_profiler:
+        remaining = self.train.num_steps - self.start_step   # a resumed run profiles its own steps
+        if not self.train.enable_pytorch_profiler or remaining == 0:
             return None, -1
-        first, wait, warm, active = profiler_window(self.train.num_steps, self.train.warmup_steps,
-                                                    self.train.profile_steps)
+        first, wait, warm, active = profiler_window(remaining, self.train.warmup_steps, self.train.profile_steps)
+        first += self.start_step
         excluded.update(range(first, first + wait + warm + active))  # profiler overhead stays out of timing
         session = PyTorchProfilerSession(self.train.profile_dir, self.spec.name, active, self.device,
                                          self.train.profile_memory, wait_steps=wait, warmup_steps=warm)
@@ -347,7 +580,7 @@ class Trainer:
         samples_per_s = train.batch_size / median_s if median_s else None
         info = describe(self.device)
         precision = train.amp_dtype if train.use_amp else "float32"
-        peak = peak_tflops(info.name, precision) if self.device.type == "cuda" else None
+        peak = peak_tflops(info.name, precision, tf32=torch.backends.cuda.matmul.allow_tf32) if self.device.type == "cuda" else None
         finite = [v for v in loss_values if math.isfinite(v)]
         return {
             "schema_version": 1,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
+from tinytransformer.cli import VersionSpec, run  # noqa: E402
 from tinytransformer.config import ModelConfig  # noqa: E402
 from tinytransformer.profiling import profile_range  # noqa: E402
 
@@ -172,11 +173,11 @@ class TinyLlama(nn.Module):
         return dict(tensors)
 
 
+SPEC = VersionSpec(name="v1", title="PyTorch baseline", build_model=lambda config, args: TinyLlama(config))
+
+
 def main(argv=None):
-    from tinytransformer.cli import VersionSpec, run
-    spec = VersionSpec(name="v1", title="PyTorch baseline",
-                       build_model=lambda config, args: TinyLlama(config))
-    return run(spec, argv)
+    return run(SPEC, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,35 @@
+"""The README's result table is generated from the committed benchmark JSON, and matches it."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_table_matches_committed_results():
+    result = subprocess.run([sys.executable, "benchmarks/make_readme_table.py", "--check"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_committed_results_record_machine_and_command():
+    for path in (REPO_ROOT / "benchmarks" / "results").glob("*.json"):
+        results = json.loads(path.read_text())
+        assert results["command"].startswith("python benchmarks/compare_versions.py"), path.name
+        assert results["environment"]["torch"], path.name
+        assert all("device" in row or "error" in row for row in results["rows"]), path.name
+
+
+def test_compare_versions_runs_on_cpu_and_checks_agreement(tmp_path):
+    out = tmp_path / "r.json"
+    command = [sys.executable, "benchmarks/compare_versions.py", "--variants", "v1,v2", "--num-steps", "3",
+               "--warmup-steps", "1", "--device", "cpu", "--no-profile", "--output", str(out), "--",
+               "--hidden-dim", "32", "--num-heads", "2", "--num-layers", "1", "--intermediate-size", "64",
+               "--vocab-size", "300"]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["v1", "v2"]
+    assert rows[0]["first_loss"] == rows[1]["first_loss"] or abs(rows[0]["first_loss"] - rows[1]["first_loss"]) < 1e-4
+    assert "loss agreement with v1: ok" in result.stdout

@@ -1,0 +1,348 @@
+"""Data parallelism: torchrun and DeepSpeed set-up, rank-aware output, and the global-batch contract.
+
+Data parallelism in one paragraph. Every rank (one process per GPU) holds a full copy of the model and
+optimizer. At step t the GLOBAL batch (a function of seed and t, see data.BatchStream) is cut into equal
+contiguous slices, one per rank; each rank computes the gradient of its slice, then an all-reduce averages the
+gradients over the ranks, so every rank applies the same update to the same weights. Mathematically the run
+is the single-process run with the global batch: the tests check that a 2-rank run with --batch-size 4 gives the
+losses of a 1-rank run with --batch-size 8, step by step. What it costs: one all-reduce of every gradient
+(parameters x 4 bytes in float32) per step, which pays only when the step's compute is long enough to hide it.
+
+How a run becomes distributed. A launcher starts one process per GPU and tells each who it is through
+environment variables; we never parse launcher flags ourselves:
+
+    torchrun --nproc-per-node 2 tiny_llama_v1.py ...       RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    deepspeed --num_gpus 2 tiny_llama_v1.py --deepspeed    the same variables (and a --local_rank flag)
+    srun torchrun --nnodes N ... (scripts/slurm_multinode.sbatch)   the same, across nodes
+
+Rank r uses GPU cuda:LOCAL_RANK, talks to the others through NCCL (RCCL on ROCm, which PyTorch also calls
+"nccl") or, on the CPU, through gloo. The model is wrapped in DistributedDataParallel (DDP), or handed to
+DeepSpeed's engine with --deepspeed. The trainer keeps a handle to the UNWRAPPED model for everything that
+is not the training step: load_canonical, checkpoints, validation.
+
+Conventions of a data-parallel run: --batch-size is per rank (the global batch is batch x ranks); reported
+samples/s are global; memory is rank 0's GPU; timing is rank 0's device events; only rank 0 prints, writes the
+metrics JSON, TensorBoard scalars and checkpoints; the logged training loss and the validation loss are
+averages over all ranks, i.e. over the global batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError, TrainConfig, check_zero_stage
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+DEEPSPEED_MISSING = "DeepSpeed is not installed: pip install deepspeed"
+
+
+def launched_by_torchrun(env=os.environ) -> bool:
+    """True inside a process started by torchrun / the deepspeed launcher / torch.distributed.run."""
+    return all(name in env for name in LAUNCHER_VARIABLES)
+
+
+def rank_from_environment(env=os.environ) -> int:
+    """This process's global rank as the launcher set it (0 without a launcher), readable before any set-up."""
+    try:
+        return int(env.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def is_main_process() -> bool:
+    """Rank 0 (or a single process): the one that prints and writes files."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return rank_from_environment() == 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The process group
+# ----------------------------------------------------------------------------------------------------------
+@dataclass
+class DistributedContext:
+    """Who this process is in the job. A single-process run is a context with enabled=False and world 1."""
+    enabled: bool = False
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    backend: str | None = None           # "nccl" (NCCL or RCCL) or "gloo"
+    engine: str = "single"               # single | ddp | deepspeed
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def describe(self) -> str:
+        """One header line, e.g. 'DDP over 2 ranks (nccl = RCCL on ROCm)'."""
+        if not self.enabled:
+            return "single process"
+        label = {"ddp": "DistributedDataParallel", "deepspeed": "DeepSpeed engine"}.get(self.engine, self.engine)
+        backend = self.backend
+        if backend == "nccl":
+            backend = "nccl (RCCL)" if torch.version.hip else "nccl"
+        return f"{label} over {self.world_size} rank(s), {backend}; timing: rank 0's events"
+
+    # -- collectives the trainer needs (all of them no-ops in a single process) --------------------------------
+    def average_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Replace `tensor` (on this rank's device) by its mean over the ranks, in place."""
+        if self.enabled:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            tensor /= self.world_size
+        return tensor
+
+    def average(self, value: float) -> float:
+        """The mean of a Python number over the ranks (e.g. the validation loss of each rank's slice)."""
+        if not self.enabled:
+            return value
+        return self.average_(torch.tensor([value], dtype=torch.float64, device=self.device)).item()
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if it is True on at least one (a signal may reach the ranks at different steps)."""
+        if not self.enabled:
+            return flag
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def check_same(self, value: int, what: str, hint: str = "") -> None:
+        """Raise ConfigError on every rank if the ranks disagree on an integer (e.g. the step a resume starts at)."""
+        if not self.enabled:
+            return
+        both = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        highest, lowest = int(both[0]), -int(both[1])
+        if highest != lowest:
+            raise ConfigError(f"the ranks disagree on {what} ({lowest} .. {highest}){hint}")
+
+
+def choose_backend(device: torch.device, requested: str) -> str:
+    """NCCL between GPUs (PyTorch's ROCm build maps the name "nccl" to RCCL), gloo between CPU processes."""
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise ConfigError("--dist-backend nccl needs GPUs (NCCL / RCCL), but this run is on the CPU; "
+                          "use --dist-backend gloo (or auto)")
+    return requested
+
+
+def _launcher_int(env, name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={env[name]!r} is not an integer "
+                          f"(set by torchrun; do not set it by hand)") from None
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for a rendezvous on this machine)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _pretend_single_process_launch(env) -> None:
+    """--deepspeed without a launcher: a world of one process, as if started by `torchrun --nproc-per-node 1`."""
+    env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(free_port()))
+
+
+def setup(train: TrainConfig, device: torch.device, env=os.environ) -> DistributedContext:
+    """Join the job the launcher started (if any); returns this process's context with its device.
+
+    Every check here runs identically on every rank BEFORE the first collective, so a bad input stops all ranks
+    with the same one-line error instead of leaving some of them waiting for the others.
+    """
+    if not launched_by_torchrun(env):
+        if not train.uses_deepspeed:
+            return DistributedContext(device=device)
+        _pretend_single_process_launch(env)
+    rank, local_rank = _launcher_int(env, "RANK"), _launcher_int(env, "LOCAL_RANK")
+    world_size = _launcher_int(env, "WORLD_SIZE")
+    backend = choose_backend(device, train.dist_backend)
+    if device.type == "cuda":
+        # One GPU per process. torchrun's LOCAL_WORLD_SIZE (processes on this node) is the same on every rank
+        # of the node, so too many processes fail on all of them at once.
+        local_processes = int(env.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        visible = torch.cuda.device_count()
+        if max(local_processes, local_rank + 1) > visible:
+            raise ConfigError(f"{local_processes} processes per node but only {visible} GPU(s) visible on this "
+                              f"node; use --nproc-per-node {visible} (one process per GPU)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)   # before any CUDA work: kernels, NCCL and the allocator use this GPU
+    init_kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **init_kwargs)
+    engine = "deepspeed" if train.uses_deepspeed else "ddp"
+    return DistributedContext(True, rank, local_rank, world_size, backend, engine, device)
+
+
+def shutdown() -> None:
+    """Leave the process group (at the end of a run, or after an error), so the process exits cleanly."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_for_data_parallel(model: torch.nn.Module, context: DistributedContext) -> torch.nn.Module:
+    """The module the training step calls: DDP around the model (whose weights are already loaded and on the
+    device), or the model itself in a single process.
+
+    DDP broadcasts rank 0's weights at construction (all ranks loaded the same ones anyway), then all-reduces
+    gradients in buckets DURING the backward pass, overlapping communication with the remaining backward
+    compute. broadcast_buffers=False: the models' buffers (RoPE tables, causal mask) are constants, identical on
+    every rank, so re-broadcasting them before each forward would be wasted traffic.
+
+    torch.compile (version 2): the model arrives already compiled in place (Module.compile), and DDP wraps the
+    compiled module. That is correct; note that the compiled backward then produces all gradients at its end, so
+    the all-reduce overlaps less than in eager mode. (Compiling the DDP wrapper instead lets TorchDynamo's
+    DDPOptimizer split the graph at bucket boundaries; see the torch.compiler FAQ on DDP.)
+    """
+    if not context.enabled:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+    device_ids = [context.local_rank] if context.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False,
+                                   gradient_as_bucket_view=True)
+
+
+def graph_capture_note(args, device: torch.device, context: DistributedContext) -> str | None:
+    """Version 4 replays its whole step from a CUDA/HIP graph. DDP's gradient hooks and DeepSpeed's engine
+    launch communication from Python during the backward pass, which a captured graph cannot contain (not by
+    default), so a data-parallel run of version 4 uses its eager step: we switch its --cuda-graph off here,
+    before the model is built (its optimizer is then not made capturable), and say so once."""
+    if not context.enabled or not getattr(args, "cuda_graph", False):
+        return None
+    args.cuda_graph = False
+    if device.type != "cuda":
+        return None   # on the CPU the graph was never going to be used
+    return ("the CUDA/HIP-graph step cannot capture data-parallel communication; version 4 runs its eager "
+            "step under " + ("DeepSpeed" if context.engine == "deepspeed" else "DDP"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DeepSpeed
+# ----------------------------------------------------------------------------------------------------------
+def import_deepspeed(device: torch.device):
+    """The deepspeed module, or ConfigError with the one line that says how to install it."""
+    if device.type == "cpu":
+        # DeepSpeed picks its "accelerator" once, at import; a CPU run on a GPU machine must say so first.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        with _quiet_unless_main():
+            import deepspeed
+    except ImportError:
+        raise ConfigError(DEEPSPEED_MISSING) from None
+    return deepspeed
+
+
+@contextlib.contextmanager
+def _quiet_unless_main():
+    """DeepSpeed prints set-up messages from every rank; keep only rank 0's."""
+    if is_main_process():
+        yield
+        return
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        yield
+
+
+def read_deepspeed_config(path: str | None) -> dict:
+    """The user's DeepSpeed JSON file (or {}), checked to be a JSON object."""
+    if path is None:
+        return {}
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read --deepspeed-config {path}: {getattr(error, 'strerror', None) or error}") \
+            from None
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--deepspeed-config {path} is not valid JSON: {error}") from None
+    if not isinstance(settings, dict):
+        raise ConfigError(f"--deepspeed-config {path} must hold a JSON object, got {type(settings).__name__}")
+    return settings
+
+
+def build_deepspeed_config(train: TrainConfig, world_size: int, file_settings: dict | None = None) -> dict:
+    """The DeepSpeed configuration of this run: the user's file (if any) with the harness's settings on top.
+
+    The harness owns the batch (--batch-size per rank, no gradient accumulation), the optimizer (torch's AdamW,
+    passed to deepspeed.initialize so no DeepSpeed op needs compiling), the learning-rate schedule (a function
+    of the step, set before each step) and the precision (--use-amp/--amp-dtype -> DeepSpeed's bf16/fp16
+    sections). A file that sets any of these differently is an error rather than a silent override.
+    """
+    config = dict(file_settings or {})
+    for owned in ("optimizer", "scheduler"):
+        if owned in config:
+            raise ConfigError(f"the DeepSpeed config sets '{owned}': remove it; the harness passes torch's AdamW "
+                              f"and sets the learning rate of every step itself (--learning-rate, --lr-schedule)")
+    batch = {"train_micro_batch_size_per_gpu": train.batch_size, "gradient_accumulation_steps": 1,
+             "train_batch_size": train.batch_size * world_size}
+    for key, value in batch.items():
+        if config.get(key, "auto") not in ("auto", value):
+            raise ConfigError(f"the DeepSpeed config sets {key}={config[key]!r}, but this run needs {value} "
+                              f"(--batch-size {train.batch_size} per rank x {world_size} rank(s)); remove it")
+        config[key] = value
+    zero = dict(config.get("zero_optimization") or {})
+    if train.zero_stage is not None:
+        zero["stage"] = train.zero_stage
+    zero.setdefault("stage", 0)
+    check_zero_stage(zero["stage"])
+    config["zero_optimization"] = zero
+    wanted = train.amp_dtype if train.use_amp else None
+    for section, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+        enabled_in_file = bool((config.get(section) or {}).get("enabled", False))
+        if enabled_in_file and wanted != dtype:
+            raise ConfigError(f"the DeepSpeed config enables '{section}'; request it with --use-amp --amp-dtype "
+                              f"{dtype} instead (the run's precision comes from the flags)")
+        config[section] = {**(config.get(section) or {}), "enabled": wanted == dtype}
+    config.setdefault("steps_per_print", 2**31 - 1)   # the harness prints its own step lines
+    return config
+
+
+def initialize_deepspeed(model, optimizer, train: TrainConfig, context: DistributedContext):
+    """deepspeed.initialize around the (unwrapped, loaded, on-device) model and torch's AdamW; returns the engine.
+
+    Stage 0 is plain data parallelism; stage 1 partitions the optimizer state (AdamW's two moments) over the
+    ranks, stage 2 the gradients too: each rank then keeps 1/N of them, which saves memory, not time.
+    With bf16 (--use-amp --amp-dtype bfloat16) DeepSpeed keeps the weights in bfloat16 and a float32 master copy
+    in the optimizer, instead of autocasting float32 weights.
+    """
+    deepspeed = import_deepspeed(context.device)
+    config = build_deepspeed_config(train, context.world_size, read_deepspeed_config(train.deepspeed_config))
+    import logging
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)   # its INFO lines would bury the harness's output
+    with _quiet_unless_main():
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+class DeepSpeedStep:
+    """The training step under DeepSpeed: the engine runs forward, backward (with its gradient reduction and,
+    under float16, its loss scaling) and the optimizer step (which also zeroes the gradients)."""
+
+    supports_breakdown = False
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __call__(self, inputs, targets):
+        _, loss = self.engine(inputs, targets)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach().float()
+
+
+def print_on_main(text: str, file=None) -> None:
+    """print() for rank 0 only (for messages written before the trainer exists, e.g. errors)."""
+    if is_main_process():
+        print(text, file=file if file is not None else sys.stdout, flush=True)

@@ -31,7 +31,6 @@ import contextlib
 import json
 import os
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,14 +82,14 @@ class DistributedContext:
         return self.rank == 0
 
     def describe(self) -> str:
-        """One header line, e.g. 'DDP over 2 ranks (nccl = RCCL on ROCm)'."""
+        """For the run's header, e.g. 'DistributedDataParallel over 2 rank(s) (nccl (RCCL))'."""
         if not self.enabled:
             return "single process"
         label = {"ddp": "DistributedDataParallel", "deepspeed": "DeepSpeed engine"}.get(self.engine, self.engine)
         backend = self.backend
         if backend == "nccl":
             backend = "nccl (RCCL)" if torch.version.hip else "nccl"
-        return f"{label} over {self.world_size} rank(s), {backend}; timing: rank 0's events"
+        return f"{label} over {self.world_size} rank(s) ({backend})"
 
     # -- collectives the trainer needs (all of them no-ops in a single process) --------------------------------
     def average_(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -106,13 +105,13 @@ class DistributedContext:
             return value
         return self.average_(torch.tensor([value], dtype=torch.float64, device=self.device)).item()
 
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank if it is True on at least one (a signal may reach the ranks at different steps)."""
+    def max_over_ranks(self, value: int) -> int:
+        """The largest of the ranks' integers, on every rank (e.g. a signal number that reached only some)."""
         if not self.enabled:
-            return flag
-        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
 
     def check_same(self, value: int, what: str, hint: str = "") -> None:
         """Raise ConfigError on every rank if the ranks disagree on an integer (e.g. the step a resume starts at)."""
@@ -173,14 +172,15 @@ def setup(train: TrainConfig, device: torch.device, env=os.environ) -> Distribut
     if device.type == "cuda":
         # One GPU per process. torchrun's LOCAL_WORLD_SIZE (processes on this node) is the same on every rank
         # of the node, so too many processes fail on all of them at once.
-        local_processes = int(env.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        local_processes = _launcher_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else local_rank + 1
         visible = torch.cuda.device_count()
         if max(local_processes, local_rank + 1) > visible:
             raise ConfigError(f"{local_processes} processes per node but only {visible} GPU(s) visible on this "
                               f"node; use --nproc-per-node {visible} (one process per GPU)")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)   # before any CUDA work: kernels, NCCL and the allocator use this GPU
-    init_kwargs = {"device_id": device} if device.type == "cuda" else {}
+    # device_id binds NCCL's communicator to this GPU at once (instead of at the first collective).
+    init_kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **init_kwargs)
     engine = "deepspeed" if train.uses_deepspeed else "ddp"
     return DistributedContext(True, rank, local_rank, world_size, backend, engine, device)
@@ -197,9 +197,9 @@ def wrap_for_data_parallel(model: torch.nn.Module, context: DistributedContext) 
     device), or the model itself in a single process.
 
     DDP broadcasts rank 0's weights at construction (all ranks loaded the same ones anyway), then all-reduces
-    gradients in buckets DURING the backward pass, overlapping communication with the remaining backward
-    compute. broadcast_buffers=False: the models' buffers (RoPE tables, causal mask) are constants, identical on
-    every rank, so re-broadcasting them before each forward would be wasted traffic.
+    gradients in buckets (~25 MB each) DURING the backward pass, overlapping communication with the remaining
+    backward compute. Buffers are not re-broadcast before every forward: the models' buffers (RoPE tables,
+    causal mask) are constants, identical on every rank, so that would be wasted traffic.
 
     torch.compile (version 2): the model arrives already compiled in place (Module.compile), and DDP wraps the
     compiled module. That is correct; note that the compiled backward then produces all gradients at its end, so
@@ -208,17 +208,21 @@ def wrap_for_data_parallel(model: torch.nn.Module, context: DistributedContext) 
     """
     if not context.enabled:
         return model
+    import inspect
     from torch.nn.parallel import DistributedDataParallel
     device_ids = [context.local_rank] if context.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False,
-                                   gradient_as_bucket_view=True)
+    # Newer torch renamed the switch (and warns about the old name); both still sync buffers once, at init.
+    no_buffer_sync = ("forward_sync_buffers" if "forward_sync_buffers" in
+                      inspect.signature(DistributedDataParallel).parameters else "broadcast_buffers")
+    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
+                                   **{no_buffer_sync: False})
 
 
 def graph_capture_note(args, device: torch.device, context: DistributedContext) -> str | None:
     """Version 4 replays its whole step from a CUDA/HIP graph. DDP's gradient hooks and DeepSpeed's engine
-    launch communication from Python during the backward pass, which a captured graph cannot contain (not by
-    default), so a data-parallel run of version 4 uses its eager step: we switch its --cuda-graph off here,
-    before the model is built (its optimizer is then not made capturable), and say so once."""
+    start communication from Python during the backward pass, which a captured graph does not support by
+    default; so a data-parallel run of version 4 uses its eager step. We switch its --cuda-graph off here,
+    before the model is built (its optimizer is then not made capturable), and return the note to print."""
     if not context.enabled or not getattr(args, "cuda_graph", False):
         return None
     args.cuda_graph = False
@@ -309,7 +313,16 @@ def build_deepspeed_config(train: TrainConfig, world_size: int, file_settings: d
     return config
 
 
-def initialize_deepspeed(model, optimizer, train: TrainConfig, context: DistributedContext):
+def prepare_deepspeed(train: TrainConfig, device: torch.device, env=os.environ) -> dict:
+    """Everything about --deepspeed that can fail, checked before any process waits for another: DeepSpeed is
+    importable, the config file is readable and agrees with the flags. Returns the DeepSpeed config."""
+    world_size = _launcher_int(env, "WORLD_SIZE") if launched_by_torchrun(env) else 1
+    config = build_deepspeed_config(train, world_size, read_deepspeed_config(train.deepspeed_config))
+    import_deepspeed(device)
+    return config
+
+
+def initialize_deepspeed(model, optimizer, config: dict, context: DistributedContext):
     """deepspeed.initialize around the (unwrapped, loaded, on-device) model and torch's AdamW; returns the engine.
 
     Stage 0 is plain data parallelism; stage 1 partitions the optimizer state (AdamW's two moments) over the
@@ -318,7 +331,6 @@ def initialize_deepspeed(model, optimizer, train: TrainConfig, context: Distribu
     in the optimizer, instead of autocasting float32 weights.
     """
     deepspeed = import_deepspeed(context.device)
-    config = build_deepspeed_config(train, context.world_size, read_deepspeed_config(train.deepspeed_config))
     import logging
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)   # its INFO lines would bury the harness's output
     with _quiet_unless_main():
@@ -341,8 +353,3 @@ class DeepSpeedStep:
         self.engine.step()
         return loss.detach().float()
 
-
-def print_on_main(text: str, file=None) -> None:
-    """print() for rank 0 only (for messages written before the trainer exists, e.g. errors)."""
-    if is_main_process():
-        print(text, file=file if file is not None else sys.stdout, flush=True)

@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
+from . import distributed
 from . import flops as flops_mod
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import BatchStream, build_corpora
@@ -135,6 +138,7 @@ class EagerStep:
 # ----------------------------------------------------------------------------------------------------------
 # Learning-rate schedule and validation loss
 # ----------------------------------------------------------------------------------------------------------
+STOP_AGREEMENT_EVERY = 10   # under data parallel, the ranks agree on a stop signal every N steps
 COSINE_FLOOR = 0.1   # the cosine schedule decays to 10% of the peak learning rate
 
 
@@ -227,9 +231,16 @@ class Trainer:
                               "use --amp-dtype bfloat16 or a GPU")
         if spec.check_arguments:
             spec.check_arguments(args, self.device)
+        # --deepspeed: DeepSpeed missing or a bad config file is one line, before any process waits for another.
+        self.deepspeed_config = distributed.prepare_deepspeed(train, self.device) if train.uses_deepspeed else None
+        # Data parallel: join the job torchrun started (a no-op otherwise); each rank then uses its own GPU.
+        self.dist = distributed.setup(train, self.device)
+        self.device = self.dist.device
+        self.setup_notes = [note for note in [distributed.graph_capture_note(args, self.device, self.dist)] if note]
 
     def log(self, text: str = "") -> None:
-        print(text, file=self.out, flush=True)
+        if self.dist.is_main:   # under data parallel only rank 0 prints
+            print(text, file=self.out, flush=True)
 
     # -- set-up --------------------------------------------------------------------------------------------
     def build(self) -> None:
@@ -245,21 +256,35 @@ class Trainer:
         train_corpus, valid_corpus = build_corpora(train.data, cfg.vocab_size, train.seq_len, train.seed,
                                                    self.device)
         self.corpus, self.valid_corpus = train_corpus, valid_corpus
-        self.stream = BatchStream(train_corpus, train.seq_len, train.batch_size, train.seed)
-        self.eval_stream = BatchStream(valid_corpus, train.seq_len, train.batch_size, train.seed)
+        # Rank r reads its contiguous slice of each global batch (batch_size per rank x world_size ranks).
+        rank, world = self.dist.rank, self.dist.world_size
+        self.stream = BatchStream(train_corpus, train.seq_len, train.batch_size, train.seed, rank, world)
+        self.eval_stream = BatchStream(valid_corpus, train.seq_len, train.batch_size, train.seed, rank, world)
         self.start_step, self.loss_history, self.eval_history = 0, [], []
         self.resumed_from, self.resume_notes, self.rng_to_restore = None, [], None
         self._corpus_fingerprint = None
         if resume is not None:
             self.resume_from_checkpoint(*resume)
+        self.dist.check_same(self.start_step, "the step to resume from",
+                             " (is --checkpoint-dir on a file system that every node sees?)")
         if schedule_varies(train):
             make_learning_rate_a_tensor(self.optimizer)
         # After the restore: a step that captures a CUDA/HIP graph must see the restored tensors.
         self.phase_timer = StepTimer(self.device) if train.timing_breakdown else None
-        if self.spec.make_step is not None:
-            self.step_fn = self.spec.make_step(self.model, self.optimizer, self.device, train, self.args)
+        # self.model stays the UNWRAPPED model (load_canonical, checkpoints, validation); the step calls
+        # self.train_model: DDP around it under torchrun, the model itself in a single process.
+        if self.dist.engine == "deepspeed":
+            self.engine = distributed.initialize_deepspeed(self.model, self.optimizer, self.deepspeed_config,
+                                                           self.dist)
+            self.step_fn = distributed.DeepSpeedStep(self.engine)
+            self.train_model = self.engine
         else:
-            self.step_fn = EagerStep(self.model, self.optimizer, self.device, train, self.phase_timer)
+            self.train_model = distributed.wrap_for_data_parallel(self.model, self.dist)
+            # A version may supply its own step (v4: a captured graph); None from its hook means the default.
+            custom = (self.spec.make_step(self.train_model, self.optimizer, self.device, train, self.args)
+                      if self.spec.make_step is not None else None)
+            self.step_fn = custom or EagerStep(self.train_model, self.optimizer, self.device, train,
+                                               self.phase_timer)
         if resume is not None:
             ckpt.restore_scaler(resume[1], getattr(self.step_fn, "scaler", None))
         if train.timing_breakdown and not getattr(self.step_fn, "supports_breakdown", False):
@@ -277,7 +302,7 @@ class Trainer:
         self.eval_history = [list(pair) for pair in checkpoint["history"]["eval"]]
         self.rng_to_restore = checkpoint["rng"]
         self.resumed_from = str(path)
-        self.resume_notes = ckpt.setting_differences(checkpoint, self.train)
+        self.resume_notes = ckpt.setting_differences(checkpoint, self.train, self.dist.world_size)
         if checkpoint.get("corpus") and checkpoint["corpus"] != self.corpus_fingerprint():
             self.resume_notes.append("the training data differs from the checkpoint's (another file, or "
                                      "text:stdlib of another Python version)")
@@ -301,8 +326,14 @@ class Trainer:
         precision = f"AMP {train.amp_dtype}" if train.use_amp else "float32"
         self.log(f"training    : batch {train.batch_size} x seq {train.seq_len}, {train.num_steps} steps "
                  f"({train.warmup_steps} warm-up), lr {train.learning_rate}, {precision}, seed {train.seed}")
+        if self.dist.enabled:
+            world = self.dist.world_size
+            self.log(f"parallel    : {self.dist.describe()}, global batch {train.batch_size * world} = "
+                     f"{world} x {train.batch_size} per rank; times are rank 0's")
         for key, value in self.variant_description().items():
             self.log(f"{key:<12}: {value}")
+        for note in self.setup_notes:
+            self.log(f"note        : {note}")
         self.log(f"data        : {self.corpus.description}")
         if self.corpus.optimum_loss is not None:
             self.log(f"optimum loss: {self.corpus.optimum_loss:.4f} nats (start ~ ln {cfg.vocab_size} = "
@@ -323,6 +354,11 @@ class Trainer:
             self.log(f"resumed     : from {self.resumed_from} at step {self.start_step}/{train.num_steps}{complete}")
             for note in self.resume_notes:
                 self.log(f"note        : {note}")
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over all ranks (--batch-size is per rank)."""
+        return self.train.batch_size * self.dist.world_size
 
     def variant_description(self) -> dict:
         return self.spec.describe(self.args) if self.spec.describe else {}
@@ -357,6 +393,8 @@ class Trainer:
                     profiler.start()
                 self.apply_learning_rate(step)
                 inputs, targets = self.stream.batch(step)
+                # Under data parallel every rank times its own steps; the summary reports rank 0's (the ranks
+                # wait for each other in every gradient all-reduce, so their step times agree closely).
                 start = timer.mark()
                 loss = self.step_fn(inputs, targets)
                 timer.add((start, timer.mark()))
@@ -365,9 +403,12 @@ class Trainer:
                 if profiler is not None and profile_first <= step and profiler.steps_done < profiler.total_steps:
                     if profiler.step():
                         self.finish_profile(profiler)
-                stopping = stop.requested   # read once: a signal may arrive at any moment
+                stop_signal = self.agreed_stop_signal(stop, steps_done)   # read once: signals come any time
+                stopping = stop_signal is not None
                 if (steps_done % train.log_every == 0 or step == first or steps_done == train.num_steps
                         or stopping):
+                    # Each rank's loss is its slice's; the mean over the ranks is the global batch's loss.
+                    self.dist.average_(losses[interval_start:steps_done])
                     for offset, (ms,) in enumerate(timer.collect()):
                         step_ms[interval_start + offset] = ms
                     interval_start = steps_done
@@ -376,13 +417,13 @@ class Trainer:
                 if train.eval_every and (steps_done % train.eval_every == 0 or steps_done == train.num_steps):
                     self.run_validation(steps_done, writer)
                 if stopping:
-                    stopped_by = stop.name
+                    stopped_by = signal.Signals(stop_signal).name
                     self.log(f"{stopped_by} received: stopping after step {steps_done}, writing a checkpoint")
                 if stopping or (train.save_every and (steps_done % train.save_every == 0
                                                       or steps_done == train.num_steps)):
                     self.save_checkpoint(steps_done, losses)
                 if stopping:
-                    exit_code = stop.exit_code
+                    exit_code = ckpt.StopOnSignal.EXIT_CODES[stop_signal]
                     break
         if profiler is not None and profiler.steps_done < profiler.total_steps:
             profiler.stop()
@@ -405,19 +446,34 @@ class Trainer:
         metrics.update(self.long_run_metrics(first, steps_done, stopped_by))
         if self.phase_timer is not None:
             metrics["timing_breakdown"] = self.phase_breakdown()
-        if train.enable_deepspeed_flops:
+        if train.enable_deepspeed_flops and self.dist.is_main:
             metrics["deepspeed_flops"] = self.run_deepspeed_flops()
         if self.profile_result:
             metrics["profile"] = self.profile_result
         self.print_summary(metrics)
         if writer is not None:
             writer.close()
-        if train.output_json:
+        if train.output_json and self.dist.is_main:
             write_json(train.output_json, metrics)
             self.log(f"metrics JSON: {train.output_json}")
         if stopped_by:
             self.print_resume_hint(stopped_by, steps_done)
         return RunResult(metrics, loss_values, exit_code=exit_code)
+
+    def agreed_stop_signal(self, stop: ckpt.StopOnSignal, steps_done: int) -> int | None:
+        """The signal (SIGINT / SIGTERM number) that ends the run after this step, or None to go on.
+
+        A single process stops after the step in which the signal arrived. Under data parallel a signal reaches
+        the ranks at different moments, but they must stop after the SAME step: a rank that went on alone would
+        wait forever in its next gradient all-reduce. So the ranks agree on it (an all-reduce of the signal
+        number, max over ranks). That costs a device-host synchronisation, hence only every
+        STOP_AGREEMENT_EVERY steps: a data-parallel run stops at most that many steps after the signal.
+        """
+        if not self.dist.enabled:
+            return stop.signal_number
+        if steps_done % STOP_AGREEMENT_EVERY:
+            return None
+        return self.dist.max_over_ranks(stop.signal_number or 0) or None
 
     def apply_learning_rate(self, step: int) -> None:
         """Set the schedule's learning rate before the step, only when it changes (a tensor lr costs a kernel)."""
@@ -430,7 +486,7 @@ class Trainer:
         value = losses[step].item()
         recent = [ms for s, ms in step_ms.items() if s > step - self.train.log_every and s <= step]
         ms = statistics.median(recent) if recent else float("nan")
-        samples_per_s = self.train.batch_size / (ms / 1e3) if ms > 0 else float("nan")
+        samples_per_s = self.global_batch / (ms / 1e3) if ms > 0 else float("nan")
         scheduled = schedule_varies(self.train)
         self.log(f"step {step + 1:>6}/{self.train.num_steps} | loss {value:.4f} | "
                  f"{samples_per_s:10.1f} samples/s | {ms:8.2f} ms/step"
@@ -443,6 +499,7 @@ class Trainer:
     def run_validation(self, steps_done: int, writer) -> None:
         started = time.perf_counter()
         value = validation_loss(self.model, self.eval_stream, self.train.eval_batches, self.device, self.train)
+        value = self.dist.average(value)   # each rank measured its slice of the same validation batches
         self.eval_seconds += time.perf_counter() - started
         self.eval_history.append([steps_done, value])
         optimum = self.valid_corpus.optimum_loss
@@ -453,17 +510,24 @@ class Trainer:
 
     def save_checkpoint(self, steps_done: int, losses: torch.Tensor) -> None:
         """Rank 0 writes the checkpoint of the state after `steps_done` steps, then drops the oldest ones."""
+        if self.dist.engine == "deepspeed":   # --save-every/--resume are refused; a signal lands here
+            self.log("note: no checkpoint under --deepspeed (the optimizer state lives in DeepSpeed's engine)")
+            return
         if not ckpt.is_main_process():
             return
         train = self.train
+        started = time.perf_counter()
         payload = ckpt.build_checkpoint(
             version=self.spec.name, step=steps_done, model=self.model, optimizer=self.optimizer,
             scaler=getattr(self.step_fn, "scaler", None), model_config=self.model_config, train_config=train,
-            losses=losses[:steps_done].tolist(), evals=self.eval_history, corpus=self.corpus_fingerprint())
+            losses=losses[:steps_done].tolist(), evals=self.eval_history, corpus=self.corpus_fingerprint(),
+            world_size=self.dist.world_size)
         path = ckpt.save_atomically(payload, ckpt.checkpoint_path(train.checkpoint_dir, steps_done))
         ckpt.remove_old_checkpoints(train.checkpoint_dir, train.keep_last)
         self.last_checkpoint = str(path)
-        self.log(f"checkpoint  : {path} (step {steps_done})")
+        seconds = time.perf_counter() - started   # includes copying GPU tensors to the host and the fsync
+        size_mb = Path(path).stat().st_size / 1e6
+        self.log(f"checkpoint  : {path} (step {steps_done}, {size_mb:.1f} MB, saved in {seconds:.2f} s)")
 
     def print_resume_hint(self, signal_name: str, steps_done: int) -> None:
         if self.last_checkpoint is None:   # not rank 0
@@ -477,7 +541,10 @@ class Trainer:
         script = sys.argv[0] if sys.argv[0].endswith(".py") else f"tiny_llama_{self.spec.name}.py"
         self.log(f"stopped by {signal_name} after step {steps_done}/{self.train.num_steps}; "
                  f"checkpoint: {self.last_checkpoint}")
-        self.log(f"resume with: python {shlex.join([script] + args + ['--resume', 'auto'])}")
+        launcher = "python"
+        if self.dist.enabled:   # the same launch: processes per node as now (multi-node: see the sbatch script)
+            launcher = f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', self.dist.world_size)}"
+        self.log(f"resume with: {launcher} {shlex.join([script] + args + ['--resume', 'auto'])}")
 
     def long_run_metrics(self, first: int, steps_done: int, stopped_by: str | None) -> dict:
         """What the JSON says about the schedule, validation and checkpoints of this run."""
@@ -505,8 +572,8 @@ class Trainer:
     def make_profiler(self, excluded: set[int]):
         self.profile_result = None
         remaining = self.train.num_steps - self.start_step   # a resumed run profiles its own steps
-        if not self.train.enable_pytorch_profiler or remaining == 0:
-            return None, -1
+        if not self.train.enable_pytorch_profiler or remaining == 0 or not self.dist.is_main:
+            return None, -1   # under data parallel rank 0 alone records a trace (one trace, one directory)
         first, wait, warm, active = profiler_window(remaining, self.train.warmup_steps, self.train.profile_steps)
         first += self.start_step
         excluded.update(range(first, first + wait + warm + active))  # profiler overhead stays out of timing
@@ -541,7 +608,7 @@ class Trainer:
         self.profile_result = result
 
     def make_tensorboard_writer(self):
-        if not self.train.tensorboard_dir:
+        if not self.train.tensorboard_dir or not self.dist.is_main:
             return None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -577,7 +644,8 @@ class Trainer:
         cfg, train = self.model_config, self.train
         times = summarize_times(timed_ms)
         median_s = times["median_ms"] / 1e3 if times["median_ms"] else None
-        samples_per_s = train.batch_size / median_s if median_s else None
+        # Throughput counts the GLOBAL batch (all ranks); MFU is per GPU: one rank's FLOPs over one GPU's peak.
+        samples_per_s = self.global_batch / median_s if median_s else None
         info = describe(self.device)
         precision = train.amp_dtype if train.use_amp else "float32"
         peak = peak_tflops(info.name, precision, tf32=torch.backends.cuda.matmul.allow_tf32) if self.device.type == "cuda" else None
@@ -597,12 +665,17 @@ class Trainer:
             "throughput": {
                 "samples_per_s": samples_per_s,
                 "tokens_per_s": samples_per_s * train.seq_len if samples_per_s else None,
-                "training_tflops_per_s": (flops_mod.training_flops(cfg, train.batch_size, train.seq_len)
+                "training_tflops_per_s": (flops_mod.training_flops(cfg, self.global_batch, train.seq_len)
                                           / median_s / 1e12) if median_s else None,
                 "mfu": flops_mod.mfu(cfg, train.batch_size, train.seq_len, median_s, peak) if median_s else None,
                 "peak_tflops": peak,
             },
-            "memory": {"peak_allocated_mib": peak_memory_mb(self.device)},
+            "memory": {"peak_allocated_mib": peak_memory_mb(self.device)},   # rank 0's GPU under data parallel
+            "distributed": {"engine": self.dist.engine, "world_size": self.dist.world_size,
+                            "backend": self.dist.backend, "batch_size_per_rank": train.batch_size,
+                            "global_batch_size": self.global_batch,
+                            "zero_stage": (self.engine.zero_optimization_stage()
+                                           if self.dist.engine == "deepspeed" else None)},
             "loss": {
                 "first": loss_values[0] if loss_values else None,
                 "final": loss_values[-1] if loss_values else None,
@@ -624,15 +697,17 @@ class Trainer:
         if t.get("note"):
             self.log(f"note        : {t['note']}")
         self.log(f"step time   : median {t['median_ms']:.2f} ms (p10 {t['p10_ms']:.2f}, p90 {t['p90_ms']:.2f})")
+        ranks = m["distributed"]["world_size"]
         self.log(f"throughput  : {tp['samples_per_s']:.1f} samples/s, {tp['tokens_per_s']:,.0f} tokens/s, "
-                 f"{tp['training_tflops_per_s']:.2f} TFLOP/s")
+                 f"{tp['training_tflops_per_s']:.2f} TFLOP/s" + (f" (all {ranks} ranks)" if ranks > 1 else ""))
         if tp["mfu"] is not None:
             self.log(f"MFU         : {100 * tp['mfu']:.1f}% of {tp['peak_tflops']:.0f} TFLOP/s "
                      f"({m['precision']} peak of this device)")
         elif m["device"]["type"] == "cuda":
             self.log("MFU         : unknown (this device is not in the peak-FLOPs table)")
         mem = m["memory"]["peak_allocated_mib"]
-        self.log(f"peak memory : {mem:.1f} MiB allocated" if mem is not None else "peak memory : n/a on CPU")
+        per_gpu = " per GPU (rank 0)" if ranks > 1 else ""
+        self.log(f"peak memory : {mem:.1f} MiB allocated{per_gpu}" if mem is not None else "peak memory : n/a on CPU")
         if m.get("timing_breakdown"):
             b = m["timing_breakdown"]
             self.log("breakdown   : " + ", ".join(f"{k} {v:.2f} ms" for k, v in b.items()))

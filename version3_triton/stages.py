@@ -467,18 +467,13 @@ def build_model(stage: int, config: ModelConfig) -> nn.Module:
 
 
 def make_step(stage: int, model, optimizer, device, train, args):
-    """The training step: stage 3's host-clock-timed step, else the harness's EagerStep.
-
-    The harness hands its --timing-breakdown timer only to a step it builds itself, so a step built here says
-    it does not support the breakdown (the harness then prints a note) rather than report an empty one.
-    """
+    """The training step: stage 3's host-clock-timed step; None for the others, which tells the harness to use
+    its own EagerStep (which also supports --timing-breakdown)."""
     if stage == 3:
         step = HostClockTimedStep(model, optimizer, device, train)
         args.stage3_step = step   # describe() reads its summary into the metrics JSON
         return step
-    step = EagerStep(model, optimizer, device, train)
-    step.supports_breakdown = False
-    return step
+    return None
 
 
 def describe(stage: int, args) -> dict:

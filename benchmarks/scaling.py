@@ -1,0 +1,241 @@
+"""Weak scaling: the same per-GPU batch on 1, 2, ..., N GPUs, for each version and size preset.
+
+    python benchmarks/scaling.py --max-gpus 2                                  (v1-v4 x tiny, medium; 1, 2 GPUs)
+    python benchmarks/scaling.py --versions v1 v4 --presets medium --gpus 1 2 4 8 --num-steps 60
+    python benchmarks/scaling.py --engine deepspeed --zero-stage 1 --presets medium --max-gpus 2
+    python benchmarks/scaling.py --device cpu --versions v1 --presets tiny --max-gpus 2 \\
+        -- --hidden-dim 32 --num-heads 2 --num-layers 1 --intermediate-size 64 --seq-len 16   (CPU smoke test, gloo)
+
+Weak scaling keeps the work of each GPU fixed (--batch-size is per rank) and grows the global batch with the GPU
+count. Perfectly, N GPUs process N times the samples per second of one: the efficiency column is
+samples/s(N) / (N x samples/s(1)). What is lost is mostly the gradient all-reduce (about parameters x 4 bytes per
+step) that the backward pass could not hide; see README, "Scaling out". The 1-GPU point also runs under torchrun,
+with DDP around the model, so every point pays the same wrapper costs.
+
+Each point is a fresh `torchrun --standalone --nproc-per-node N` process (a free port each time), started exactly
+as a user would start it; its rank 0 writes --output-json, which is collected here. Results: a JSON file (with
+the machine and every command), a markdown table, and a PNG plot when matplotlib is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = {
+    "v1": "version1_pytorch_baseline/tiny_llama_v1.py",
+    "v2": "version2_pytorch_fused/tiny_llama_v2.py",
+    "v3": "version3_triton/tiny_llama_v3.py",
+    "v4": "version4_triton_ultra/tiny_llama_v4.py",
+}
+EXIT_BAD_INPUT = 2
+
+
+def torchrun_command(version: str, preset: str, gpus: int, json_path: Path, args) -> list[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus),
+               str(REPO_ROOT / SCRIPTS[version]), "--preset", preset, "--device", args.device,
+               "--num-steps", str(args.num_steps), "--warmup-steps", str(args.warmup_steps),
+               "--log-every", str(args.num_steps), "--output-json", str(json_path)]
+    if args.dtype == "bfloat16":
+        command += ["--use-amp", "--amp-dtype", "bfloat16"]
+    if args.engine == "deepspeed":
+        command += ["--deepspeed", "--zero-stage", str(args.zero_stage)]
+    return command + args.extra
+
+
+def run_point(version: str, preset: str, gpus: int, args, out_dir: Path) -> dict:
+    """One training run on `gpus` processes; its metrics, or the last line of its error."""
+    json_path = out_dir / f"{version}_{preset}_{gpus}gpu.json"
+    command = torchrun_command(version, preset, gpus, json_path, args)
+    env = dict(os.environ)
+    if args.device == "cpu":
+        env["TRITON_INTERPRET"] = "1"   # versions 3 and 4 run their Triton kernels in the interpreter on a CPU
+    row = {"version": version, "preset": preset, "gpus": gpus,
+           "command": shlex.join(["torchrun"] + command[3:])}
+    started = time.perf_counter()
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env,
+                                cwd=REPO_ROOT)
+    except subprocess.TimeoutExpired:
+        row["error"] = f"timed out after {args.timeout} s"
+        return row
+    row["wall_s"] = round(time.perf_counter() - started, 1)
+    if result.returncode != 0 or not json_path.exists():
+        row["error"] = first_error_line(result.stdout + result.stderr, result.returncode)
+        return row
+    metrics = json.loads(json_path.read_text())
+    row.update({
+        "global_batch_size": metrics["distributed"]["global_batch_size"],
+        "batch_size_per_gpu": metrics["distributed"]["batch_size_per_rank"],
+        "parameters": metrics["parameters"],
+        "samples_per_s": metrics["throughput"]["samples_per_s"],
+        "tokens_per_s": metrics["throughput"]["tokens_per_s"],
+        "median_step_ms": metrics["timing"]["median_ms"],
+        "mfu": metrics["throughput"]["mfu"],
+        "peak_memory_mib_per_gpu": metrics["memory"]["peak_allocated_mib"],
+        "final_loss": metrics["loss"]["final"],
+        "device": metrics["device"]["name"],
+    })
+    return row
+
+
+def first_error_line(output: str, code: int) -> str:
+    """The script's own one-line error if it printed one, else the last line (torchrun adds its report after)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in lines:
+        if ": error: " in line:
+            return line
+    return lines[-1] if lines else f"exit code {code}"
+
+
+def add_efficiency(rows: list[dict]) -> None:
+    """Speed-up over the 1-GPU point of the same version and preset, and weak-scaling efficiency."""
+    single = {(r["version"], r["preset"]): r.get("samples_per_s") for r in rows if r["gpus"] == 1}
+    for row in rows:
+        base = single.get((row["version"], row["preset"]))
+        if base and row.get("samples_per_s"):
+            row["speedup"] = row["samples_per_s"] / base
+            row["efficiency"] = row["speedup"] / row["gpus"]
+        else:
+            row["speedup"] = row["efficiency"] = None
+
+
+def fmt(value, spec: str, suffix: str = "") -> str:
+    return format(value, spec) + suffix if isinstance(value, (int, float)) else "n/a"
+
+
+def percent(fraction) -> str:
+    return fmt(100 * fraction if isinstance(fraction, (int, float)) else None, ".1f", "%")
+
+
+def table(rows: list[dict]) -> str:
+    header = ("version", "preset", "GPUs", "global batch", "samples/s", "step ms", "speed-up", "efficiency",
+              "MFU", "MiB/GPU")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['version']} | {r['preset']} | {r['gpus']} | failed: {r['error']} |")
+            continue
+        cells = (r["version"], r["preset"], str(r["gpus"]), str(r["global_batch_size"]),
+                 fmt(r["samples_per_s"], ",.0f"), fmt(r["median_step_ms"], ".2f"), fmt(r["speedup"], ".2f", "x"),
+                 percent(r["efficiency"]), percent(r["mfu"]), fmt(r["peak_memory_mib_per_gpu"], ",.0f"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib): no plot written"
+    series = sorted({(r["version"], r["preset"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for version, preset in series:
+        points = sorted((r["gpus"], r["efficiency"]) for r in rows
+                        if (r["version"], r["preset"]) == (version, preset) and r.get("efficiency"))
+        if points:
+            ax.plot([g for g, _ in points], [100 * e for _, e in points], marker="o", label=f"{version} {preset}")
+    ax.axhline(100, color="gray", linestyle="--", linewidth=1, label="perfect")
+    ax.set_xlabel("GPUs (processes)")
+    ax.set_ylabel("weak-scaling efficiency (%)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"plot: {path}"
+
+
+def environment(device: str) -> dict:
+    import torch
+    info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "host": platform.node(), "device": device}
+    if device != "cpu" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpus_visible"] = torch.cuda.device_count()
+        info["backend"] = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "NCCL_IB_DISABLE",
+                 "NCCL_SOCKET_IFNAME"):
+        if name in os.environ:
+            info.setdefault("environment", {})[name] = os.environ[name]
+    return info
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description="Weak scaling of TinyLlama versions over 1..N GPUs (torchrun, one process per GPU).",
+        epilog="Flags after -- go to every training run (e.g. -- --batch-size 32).")
+    parser.add_argument("--versions", nargs="+", choices=list(SCRIPTS), default=list(SCRIPTS))
+    parser.add_argument("--presets", nargs="+", default=["tiny", "medium"], help="size presets from configs/")
+    parser.add_argument("--gpus", nargs="+", type=int, help="process counts to run (default 1..--max-gpus)")
+    parser.add_argument("--max-gpus", type=int, help="run 1, 2, ..., this many processes [all visible GPUs]")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: gloo between CPU processes, a smoke test on a machine without GPUs")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--engine", choices=["ddp", "deepspeed"], default="ddp")
+    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0, help="with --engine deepspeed")
+    parser.add_argument("--num-steps", type=int, default=40)
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds allowed per run")
+    parser.add_argument("--output-dir", help="where the JSON, table and plot go [benchmarks/results/scaling_TIME]")
+    argv = list(argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.extra = extra
+    if args.warmup_steps >= args.num_steps:
+        parser.exit(EXIT_BAD_INPUT, "scaling.py: error: --warmup-steps must be smaller than --num-steps\n")
+    args.gpus = sorted(set(args.gpus or range(1, (args.max_gpus or visible_gpus(args.device)) + 1)))
+    if not args.gpus or args.gpus[0] < 1:
+        parser.exit(EXIT_BAD_INPUT, "scaling.py: error: process counts must be >= 1\n")
+    if args.device == "cuda" and args.gpus[-1] > visible_gpus("cuda"):
+        parser.exit(EXIT_BAD_INPUT, f"scaling.py: error: {args.gpus[-1]} GPUs requested but "
+                                    f"{visible_gpus('cuda')} visible (use --device cpu for a CPU smoke test)\n")
+    return args
+
+
+def visible_gpus(device: str) -> int:
+    if device == "cpu":
+        return 2   # a smoke test: two CPU processes
+    import torch
+    return torch.cuda.device_count()
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    stamp = datetime.now().strftime("%Y%m%d_%H%M%S")
+    out_dir = Path(args.output_dir or REPO_ROOT / "benchmarks" / "results" / f"scaling_{stamp}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for preset in args.presets:
+            for version in args.versions:
+                for gpus in args.gpus:
+                    row = run_point(version, preset, gpus, args, Path(scratch))
+                    status = row.get("error") or f"{fmt(row.get('samples_per_s'), ',.0f')} samples/s"
+                    print(f"{version} {preset} {gpus} GPU(s): {status}", flush=True)
+                    rows.append(row)
+    add_efficiency(rows)
+    markdown = table(rows)
+    print(markdown)
+    result = {"benchmark": "weak scaling", "engine": args.engine, "zero_stage": args.zero_stage,
+              "dtype": args.dtype, "num_steps": args.num_steps, "warmup_steps": args.warmup_steps,
+              "extra_flags": args.extra, "environment": environment(args.device), "rows": rows}
+    (out_dir / "scaling.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "scaling.md").write_text(markdown + "\n")
+    print(f"results: {out_dir / 'scaling.json'}, {out_dir / 'scaling.md'}")
+    print(plot(rows, out_dir / "scaling.png"))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -46,6 +46,12 @@ SWEEP_SEQ_LENS = (128, 256, 512, 1024)
 # Losses of different versions agree to floating point at the first step; later, rounding differences are
 # amplified by training, so the final losses are compared with a looser bound.
 FIRST_LOSS_RTOL = {"float32": 2e-3, "bfloat16": 2e-2}
+# Without a GPU (a laptop, CI), the default is a quick look rather than a measurement: a small model, short
+# sequences, and no torch.compile (which spends about a minute compiling on a CPU). Triton kernels run in the
+# interpreter there, so versions 3 and 4 are much SLOWER than 1 and 2 on a CPU: the speeds say nothing about GPUs.
+CPU_MODEL_FLAGS = ["--hidden-dim", "64", "--num-heads", "2", "--num-layers", "2", "--intermediate-size", "128",
+                   "--vocab-size", "256"]
+CPU_BATCH, CPU_SEQ_LEN = 2, 32
 FINAL_LOSS_RTOL = 0.05
 
 
@@ -165,11 +171,46 @@ def plot(rows: list[dict], path: Path) -> str:
     return f"plot: {path}"
 
 
+def save(results: dict, path: str | None, note: str | None) -> None:
+    """Write the results JSON; during a run, after every variant, so a run cut short still leaves its rows."""
+    if not path:
+        return
+    if note:
+        results["note"] = note
+    else:
+        results.pop("note", None)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=2))
+
+
+def gpu_present(requested: str) -> bool:
+    if requested == "cpu":
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
+def apply_machine_defaults(args) -> None:
+    """The seed configuration on a GPU; a quick small-model look without one (see CPU_MODEL_FLAGS)."""
+    on_gpu = gpu_present(args.device)
+    model_flags_given = any(flag in args.extra for flag in CPU_MODEL_FLAGS[::2])
+    if not on_gpu and not model_flags_given:
+        args.extra = [*CPU_MODEL_FLAGS, *args.extra]
+        print("no GPU: comparing a small model on the CPU (Triton versions run in the interpreter, slowly); "
+              "the seed configuration needs a GPU", flush=True)
+    if args.batch_size is None:
+        args.batch_size = 8 if on_gpu else CPU_BATCH
+    if args.seq_len is None:
+        args.seq_len = 128 if on_gpu else CPU_SEQ_LEN
+    if args.variants is None:
+        args.variants = ",".join(v for v in VARIANTS if on_gpu or v != "v2+compile")
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description="Benchmark TinyLlama versions 1-4 at one configuration.")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--variants", help=f"subset of {','.join(VARIANTS)} [all; without a GPU: all but v2+compile]")
+    parser.add_argument("--batch-size", type=int, help="[8; without a GPU: 2, with a small model]")
+    parser.add_argument("--seq-len", type=int, help="[128; without a GPU: 32]")
     parser.add_argument("--sweep", action="store_true",
                         help=f"batch sizes {SWEEP_BATCHES} x seq lens {SWEEP_SEQ_LENS} instead of one configuration")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -184,6 +225,7 @@ def parse_args(argv):
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("extra", nargs="*", help="flags passed to every run, after --")
     args = parser.parse_args(argv)
+    apply_machine_defaults(args)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
@@ -198,6 +240,10 @@ def main(argv=None) -> int:
     configs = ([(b, s) for s in SWEEP_SEQ_LENS for b in SWEEP_BATCHES] if args.sweep
                else [(args.batch_size, args.seq_len)])
     rows = []
+    results = {"command": shlex.join(["python", "benchmarks/compare_versions.py", *(sys.argv[1:] if argv is None
+                                                                                     else argv)]),
+               "environment": environment(), "dtype": args.dtype, "num_steps": args.num_steps,
+               "warmup_steps": args.warmup_steps, "rows": rows}
     with tempfile.TemporaryDirectory() as scratch:
         for batch, seq in configs:
             for label in args.variants:
@@ -205,6 +251,7 @@ def main(argv=None) -> int:
                 status = row.get("error") or f"{row['samples_per_s']:,.0f} samples/s"
                 print(f"  {label:<11} b{batch:<3} s{seq:<5} {status}", flush=True)
                 rows.append(row)
+                save(results, args.output, note=f"partial: {len(rows)} of {len(configs) * len(args.variants)} runs")
     add_speedups(rows)
     problems = check_agreement(rows, args.dtype)
     print()
@@ -212,13 +259,9 @@ def main(argv=None) -> int:
     print("loss agreement with v1: " + ("ok" if not problems else "PROBLEMS"))
     for problem in problems:
         print(f"  {problem}")
-    results = {"command": shlex.join(["python", "benchmarks/compare_versions.py", *(sys.argv[1:] if argv is None
-                                                                                     else argv)]),
-               "environment": environment(), "dtype": args.dtype, "num_steps": args.num_steps,
-               "warmup_steps": args.warmup_steps, "rows": rows, "loss_agreement_problems": problems}
+    results["loss_agreement_problems"] = problems
+    save(results, args.output, note=None)
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(results, indent=2))
         print(f"results: {args.output}")
     if args.plot:
         print(plot(rows, Path(args.plot)))

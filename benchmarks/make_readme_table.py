@@ -42,9 +42,26 @@ def render(results: dict, name: str) -> str:
     return "\n".join(lines)
 
 
+def render_sweep(results: dict, name: str) -> str:
+    """One row per (batch, seq), one column per variant: median samples/s."""
+    env = results["environment"]
+    variants = list(dict.fromkeys(r["variant"] for r in results["rows"]))
+    cells = {(r["batch_size"], r["seq_len"], r["variant"]): r.get("samples_per_s") for r in results["rows"]}
+    configs = sorted({(r["batch_size"], r["seq_len"]) for r in results["rows"]}, key=lambda c: (c[1], c[0]))
+    lines = [f"Sweep, **{env.get('gpu', 'CPU')}**, {results['dtype']}, samples/s (median of "
+             f"{results['num_steps'] - results['warmup_steps']} steps; `benchmarks/results/{name}`):", "",
+             "| batch | seq | " + " | ".join(variants) + " |", "|---:|---:|" + "---:|" * len(variants)]
+    for batch, seq in configs:
+        lines.append(f"| {batch} | {seq} | " + " | ".join(fmt(cells.get((batch, seq, v)), ",.0f") for v in variants) + " |")
+    if results.get("note"):
+        lines += ["", f"Note: {results['note']}."]
+    lines += ["", f"Command: `{results['command']}`"]
+    return "\n".join(lines)
+
+
 def generated_block() -> str:
-    files = sorted(p for p in RESULTS_DIR.glob("*.json") if "sweep" not in p.name)
-    parts = [render(json.loads(p.read_text()), p.name) for p in files]
+    files = sorted(RESULTS_DIR.glob("*.json"))
+    parts = [(render_sweep if "sweep" in p.name else render)(json.loads(p.read_text()), p.name) for p in files]
     body = "\n\n".join(parts) if parts else "No committed results yet: run `benchmarks/compare_versions.py --output ...`."
     return f"{START}\n{body}\n{END}"
 

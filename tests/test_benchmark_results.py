@@ -18,7 +18,8 @@ def test_committed_results_record_machine_and_command():
         results = json.loads(path.read_text())
         assert results["command"].startswith("python benchmarks/compare_versions.py"), path.name
         assert results["environment"]["torch"], path.name
-        assert all("device" in row or "error" in row for row in results["rows"]), path.name
+        assert results["environment"].get("gpu") or results["environment"].get("platform"), path.name
+        assert all("samples_per_s" in row or "error" in row for row in results["rows"]), path.name
 
 
 def test_compare_versions_runs_on_cpu_and_checks_agreement(tmp_path):

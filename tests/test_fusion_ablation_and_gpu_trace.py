@@ -1,0 +1,45 @@
+"""Version 2's fusion ablation script, and the trace analysis on a real GPU trace recorded on an H100."""
+import subprocess
+
+import pytest
+import sys
+from pathlib import Path
+
+from tinytransformer import reports
+from version2_pytorch_fused.fusion_ablation import combinations
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GPU_TRACE = REPO_ROOT / "tests" / "fixtures" / "gpu_trace_v1_h100.json.gz"
+
+
+def test_ablation_covers_every_combination_once():
+    runs = combinations(with_compile=True)
+    labels = [label for label, _ in runs]
+    assert len(labels) == 9 and len(set(labels)) == 9
+    assert labels[0] == "none" and labels[-2] == "qkv+flash+swiglu" and labels[-1] == "all+compile"
+    assert runs[0][1] == ["--disable-qkv-fusion", "--disable-flash-attention", "--disable-swiglu-fusion"]
+
+
+@pytest.mark.slow   # 8 fresh processes; the version 2 README's command runs it in the doc-command test too
+def test_ablation_runs_on_cpu():
+    command = [sys.executable, "version2_pytorch_fused/fusion_ablation.py", "--num-steps", "3", "--warmup-steps", "1",
+               "--", "--device", "cpu", "--hidden-dim", "32", "--num-heads", "2", "--num-layers", "1",
+               "--intermediate-size", "64", "--vocab-size", "300", "--batch-size", "2", "--seq-len", "16"]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    table = result.stdout.split("fusions", 1)[1]
+    for label in ("none", "qkv", "flash", "swiglu", "qkv+flash+swiglu"):
+        assert f"\n{label} " in table
+
+
+def test_gpu_trace_fixture_is_analysed():
+    """A small version-1 trace recorded on an H100 (batch 2, seq 32, 1 profiled step)."""
+    trace = reports.load_trace(GPU_TRACE)
+    assert reports.has_device_activity(trace)
+    kernels = reports.kernels_per_step(trace)
+    assert kernels is not None and 300 < kernels < 1000
+    top = reports.top_kernels(trace, limit=5)
+    assert top and all(row["total_us"] > 0 for row in top)
+    phases = reports.phase_split(trace)
+    assert phases["basis"] == "device"
+    assert phases["us"]["attention"] > 0 and phases["us"]["backward"] > 0 and phases["us"]["optimizer"] > 0

@@ -1,0 +1,98 @@
+"""Fusion ablation: every combination of version 2's three fusions (and torch.compile), one table.
+
+    python fusion_ablation.py                                   (8 combinations, eager, seed config)
+    python fusion_ablation.py --with-compile --profile          (+ torch.compile, + kernels per step)
+    python fusion_ablation.py --num-steps 100 -- --use-amp      (flags after -- go to every run)
+
+Each combination runs tiny_llama_v2.py in a fresh process (so nothing, e.g. a compile cache, carries over)
+from the same canonical weights and data; the table shows median samples/s, the speed-up over the run with
+every fusion off (version 1's computation), peak memory and, with --profile, GPU kernels per training step.
+"""
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FUSIONS = (("qkv", "--enable-qkv-fusion", "--disable-qkv-fusion"),
+           ("flash", "--enable-flash-attention", "--disable-flash-attention"),
+           ("swiglu", "--enable-swiglu-fusion", "--disable-swiglu-fusion"))
+
+
+def combinations(with_compile: bool):
+    """(label, flags) for every on/off combination of the fusions; all off first, all on last."""
+    runs = []
+    for switches in itertools.product([False, True], repeat=len(FUSIONS)):
+        flags = [on if enabled else off for (_, on, off), enabled in zip(FUSIONS, switches)]
+        label = "+".join(name for (name, _, _), enabled in zip(FUSIONS, switches) if enabled) or "none"
+        runs.append((label, flags))
+    if with_compile:
+        all_on = runs[-1][1]
+        runs.append(("all+compile", [*all_on, "--enable-torch-compile", "--torch-compile-mode", "reduce-overhead"]))
+    return runs
+
+
+def run_one(label, flags, args, extra, scratch: Path) -> dict:
+    out = scratch / f"{label.replace('+', '_')}.json"
+    command = [sys.executable, str(HERE / "tiny_llama_v2.py"), *flags, "--num-steps", str(args.num_steps),
+               "--warmup-steps", str(args.warmup_steps), "--log-every", str(args.num_steps),
+               "--output-json", str(out), *extra]
+    if args.profile:
+        command += ["--enable-pytorch-profiler", "--profile-steps", "2", "--profile-dir", str(scratch / label)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        lines = (result.stderr or result.stdout).strip().splitlines()
+        return {"label": label, "error": lines[-1] if lines else f"exit code {result.returncode}"}
+    metrics = json.loads(out.read_text())
+    return {"label": label, "samples_per_s": metrics["throughput"]["samples_per_s"],
+            "median_step_ms": metrics["timing"]["median_ms"],
+            "peak_memory_mib": metrics["memory"]["peak_allocated_mib"],
+            "kernels_per_step": (metrics.get("profile") or {}).get("kernels_per_step"),
+            "final_loss": metrics["loss"]["final"], "device": metrics["device"]["name"]}
+
+
+def print_table(rows) -> None:
+    baseline = next((r.get("samples_per_s") for r in rows if r["label"] == "none"), None)
+    fmt = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else "n/a"  # noqa: E731
+    print(f"{'fusions':<18} {'samples/s':>10} {'ms/step':>8} {'vs none':>8} {'peak MiB':>9} {'kernels':>8} "
+          f"{'final loss':>10}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['label']:<18} failed: {r['error']}")
+            continue
+        speedup = r["samples_per_s"] / baseline if baseline else None
+        print(f"{r['label']:<18} {fmt(r['samples_per_s'], ',.1f'):>10} {fmt(r['median_step_ms'], '.2f'):>8} "
+              f"{fmt(speedup, '.2f'):>7}x {fmt(r['peak_memory_mib'], ',.0f'):>9} "
+              f"{fmt(r['kernels_per_step'], '.0f'):>8} {fmt(r['final_loss'], '.4f'):>10}")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-steps", type=int, default=40)
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--with-compile", action="store_true", help="add all fusions + torch.compile")
+    parser.add_argument("--profile", action="store_true", help="also count GPU kernels per step")
+    parser.add_argument("--output-json", help="write the table's rows here")
+    args = parser.parse_args(own)
+    if args.warmup_steps >= args.num_steps:
+        parser.error("--warmup-steps must be smaller than --num-steps")
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for label, flags in combinations(args.with_compile):
+            rows.append(run_one(label, flags, args, extra, Path(scratch)))
+            print(f"  {label:<18} done", flush=True)
+    print_table(rows)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps({"command": " ".join(["python", "fusion_ablation.py", *argv]),
+                                                      "rows": rows}, indent=2))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

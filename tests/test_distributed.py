@@ -359,7 +359,7 @@ def test_version_4_graph_step_falls_back_to_eager_under_data_parallel():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# On GPUs (the lead runs these on a 2-GPU machine)
+# On GPUs (run on a machine with at least 2 GPUs; skipped elsewhere)
 # ----------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

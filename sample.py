@@ -129,10 +129,10 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
 
 
 def write_output(ids: list[int], is_text: bool) -> None:
-    if is_text:   # raw bytes: a model that splits a multi-byte character writes exactly what it produced
-        sys.stdout.flush()
-        sys.stdout.buffer.write(bytes(ids) + b"\n")
-        sys.stdout.buffer.flush()
+    if is_text:
+        # Byte tokens need not form valid UTF-8 (a half-trained model splits multi-byte characters): decode with
+        # replacement characters so a terminal or a pipe always receives valid text.
+        print(bytes(ids).decode("utf-8", errors="replace"), flush=True)
     else:
         print(" ".join(map(str, ids)), flush=True)
 

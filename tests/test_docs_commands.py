@@ -542,7 +542,14 @@ def failure_report(command: DocCommand, result, tail: int = 40) -> str:
         """) + "\n".join(output[-tail:])
 
 
-@pytest.mark.parametrize("command", DOC_COMMANDS, ids=[c.where for c in DOC_COMMANDS])
+def as_param(command: DocCommand):
+    """Commands of the exercises (about two thirds of all, mostly the guides' commands at more sizes) are marked
+    slow, so the default test run stays short on a 2-core CI machine; `pytest -m slow` runs them."""
+    marks = [pytest.mark.slow] if "/exercises/" in command.where else []
+    return pytest.param(command, marks=marks, id=command.where)
+
+
+@pytest.mark.parametrize("command", [as_param(c) for c in DOC_COMMANDS])
 def test_doc_command(command: DocCommand, docs_sandbox):
     if command.skip:
         pytest.skip(f"{command.where}: {command.skip}: {command.short(80)}")

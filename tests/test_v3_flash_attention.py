@@ -372,14 +372,25 @@ def test_packed_bfloat16_refused_in_interpreter():
         fa.flash_attention_packed(torch.randn(1, 16, 96, dtype=torch.bfloat16), 1)
 
 
-def test_short_sequences_get_smaller_forward_query_blocks(monkeypatch):
-    """The GPU launch choice (computed here with the interpreter switched off): 64-row query blocks up to
-    S = 256, so short sequences still give a large GPU enough programs."""
+def test_gpu_launch_config_fits_the_head_dim(monkeypatch):
+    """The GPU launch choice (computed here with the interpreter switched off): 64 x 64 tiles for rows of at
+    most 128 bytes, smaller tiles for wider rows, one pipeline stage."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert fa._launch_config(32, torch.bfloat16, 128, backward=False)["BLOCK_M"] == 64
-    assert fa._launch_config(32, torch.bfloat16, 256, backward=False)["BLOCK_M"] == 64
-    assert fa._launch_config(32, torch.bfloat16, 512, backward=False)["BLOCK_M"] == 128
-    assert fa._launch_config(32, torch.bfloat16, 128, backward=True)["BLOCK_M"] == 64
+    for kernel in ("forward", "dkdv", "dq"):
+        narrow = fa._launch_config(32, torch.bfloat16, 512, kernel)
+        assert (narrow["BLOCK_M"], narrow["BLOCK_N"], narrow["num_stages"]) == (64, 64, 1)
+        wide = fa._launch_config(128, torch.float32, 512, kernel)
+        assert wide["BLOCK_M"] * wide["BLOCK_N"] < 64 * 64
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("block_m, block_n", [(16, 32), (32, 32), (16, 16)])
+def test_loop_bounds_with_other_tile_shapes(block_m, block_n, causal, monkeypatch, device):
+    """The split into unmasked and masked key blocks must hold for any tile shapes, including key blocks
+    larger than query blocks (as a GPU config may choose), at a length that is a multiple of neither."""
+    monkeypatch.setattr(fa, "_launch_config",
+                        lambda *args: dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=1, num_stages=1))
+    check_packed_against_reference(2, 2, 45, 16, torch.float32, device, causal=causal, use_rope=True)
 
 
 @pytest.mark.gpu

@@ -332,6 +332,27 @@ def test_linear_cross_entropy_under_autocast_float16(device):
     assert_matches(weight.grad, ref_grad_weight, torch.float16, "grad weight")
 
 
+def test_linear_cross_entropy_uses_a_given_16bit_weight(device):
+    """weight16 (the model's per-step 16-bit copy) replaces the cast inside; gradients still reach weight."""
+    hidden, weight, targets = make_head_inputs(24, 64, 300, torch.float16, device, seed=122)
+    with torch.autocast(device_type=device.type, dtype=torch.float16):
+        loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=10, weight16=weight.detach().half())
+    loss.backward()
+    assert weight.grad.dtype == torch.float32
+    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
+    assert_matches(loss, ref_loss, torch.float16, "loss")
+    assert_matches(hidden.grad, ref_grad_hidden, torch.float16, "grad hidden")
+    assert_matches(weight.grad, ref_grad_weight, torch.float16, "grad weight")
+
+
+def test_matmul_to_float32_of_16bit_operands(device):
+    a = random((40, 70), torch.bfloat16, device, seed=5)
+    b = random((70, 30), torch.bfloat16, device, seed=6)
+    product = lce.matmul_to_float32(a, b)
+    assert product.dtype == torch.float32
+    assert_matches(product, a.double() @ b.double(), torch.bfloat16, "a @ b")
+
+
 def test_default_chunk_rows():
     assert lce.default_chunk_rows(32000, torch.bfloat16) == 512  # 32 MiB of bf16 logits
     rows = lce.default_chunk_rows(10**7, torch.float32)  # a huge vocabulary still gets a usable chunk

@@ -10,7 +10,10 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
   4. LM head + cross-entropy fused and chunked (kernels/linear_cross_entropy.py): the float32 logits of the
      whole batch never exist; the loss kernel writes d(loss)/d(logits) in place, so backward is two GEMMs.
   5. Token-embedding backward as zero + scatter-add (index_add_) instead of PyTorch's sort-based kernel.
-  6. Under autocast, the fused norm writes its output directly in bfloat16 for the GEMM that reads it.
+  6. Under autocast, the fused norm writes its output directly in bfloat16 for the GEMM that reads it, and
+     all projection weights are copied to bfloat16 by ONE kernel per step (autocast casts each weight in its
+     own kernel and, in backward, widens each weight gradient in another); weight gradients come out of
+     their GEMM in float32 directly.
   7. Fused AdamW (`torch.optim.AdamW(fused=True)`): one kernel for all parameters instead of a dozen.
   8. CUDA/HIP graph: after a few eager warm-up steps, forward + backward + optimizer are captured ONCE and every
      later step is a single graph replay: no Python, no per-kernel launch cost (--no-cuda-graph to compare).
@@ -42,7 +45,7 @@ from version3_triton.kernels.flash_attention import flash_attention_packed  # no
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
 from version3_triton.kernels.swiglu import swiglu_fused  # noqa: E402
 from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm  # noqa: E402
-from version4_triton_ultra.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+from version4_triton_ultra.kernels.linear_cross_entropy import linear_cross_entropy, matmul_to_float32  # noqa: E402
 
 
 class EmbeddingLookup(torch.autograd.Function):
@@ -69,6 +72,43 @@ class EmbeddingLookup(torch.autograd.Function):
         return None, grad_weight
 
 
+class LowPrecisionLinear(torch.autograd.Function):
+    """y = x @ weight16^T, where weight16 is a 16-bit copy of the float32 `weight` made before the forward pass.
+
+    Backward: grad_x = grad_y @ weight16 (16-bit, as under autocast), and the weight gradient from the 16-bit
+    operands straight into float32, as the gradient of the float32 weight (the optimizer's master copy).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, weight16):
+        x = x.to(weight16.dtype)
+        ctx.save_for_backward(x, weight16)
+        return x @ weight16.T
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight16 = ctx.saved_tensors
+        grad_x = grad_y @ weight16 if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = matmul_to_float32(grad_y.reshape(-1, grad_y.shape[-1]).T, x.reshape(-1, x.shape[-1]))
+        return grad_x, grad_weight, None
+
+
+class Projection(nn.Linear):
+    """A bias-free nn.Linear that, under autocast, multiplies with the 16-bit copy of its weight that the model
+    refreshes once per forward pass for all projections together (TinyLlama.refresh_16bit_weights)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+        self.weight16 = None
+
+    def forward(self, x):
+        if self.weight16 is None or not torch.is_autocast_enabled(x.device.type):
+            return super().forward(x)
+        return LowPrecisionLinear.apply(x, self.weight, self.weight16)
+
+
 def gemm_input_dtype(device_type: str):
     """The dtype the next GEMM computes in: autocast's (bf16/fp16) when it is on, else None (keep float32)."""
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
@@ -83,8 +123,8 @@ class Attention(nn.Module):
         super().__init__()
         d = config.hidden_dim
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
-        self.qkv_proj = nn.Linear(d, 3 * d, bias=False)   # rows: [q; k; v]
-        self.o_proj = nn.Linear(d, d, bias=False)
+        self.qkv_proj = Projection(d, 3 * d)   # rows: [q; k; v]
+        self.o_proj = Projection(d, d)
 
     def forward(self, x, cos, sin):
         with profile_range("attention"):
@@ -104,8 +144,8 @@ class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         d, f = config.hidden_dim, config.intermediate_size
-        self.gate_up_proj = nn.Linear(d, 2 * f, bias=False)   # rows: [gate; up]
-        self.down_proj = nn.Linear(f, d, bias=False)
+        self.gate_up_proj = Projection(d, 2 * f)   # rows: [gate; up]
+        self.down_proj = Projection(f, d)
 
     def forward(self, x):
         with profile_range("ffn"):
@@ -157,7 +197,9 @@ class TinyLlama(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_dim)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.norm = Norm(config.hidden_dim)
-        self.lm_head = nn.Linear(config.hidden_dim, config.vocab_size, bias=False)
+        self.lm_head = Projection(config.hidden_dim, config.vocab_size)
+        self.projections = [m for m in self.modules() if isinstance(m, Projection)]
+        self.weights16 = []   # the 16-bit copies of the projection weights, reused from step to step
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -165,8 +207,25 @@ class TinyLlama(nn.Module):
         self.capturable_optimizer = False
         self.load_canonical(init_canonical_weights(config, seed=0))
 
+    def refresh_16bit_weights(self, dtype) -> None:
+        """Copy every projection weight into its 16-bit buffer in one multi-tensor kernel (dtype None: autocast
+        is off, the projections use their float32 weights). The buffers are allocated on first use and then
+        overwritten in place, so a captured graph keeps writing the same memory."""
+        if dtype is None:
+            for projection in self.projections:
+                projection.weight16 = None
+            return
+        weights = [projection.weight for projection in self.projections]
+        if not self.weights16 or self.weights16[0].dtype != dtype or self.weights16[0].device != weights[0].device:
+            self.weights16 = [torch.empty_like(w, dtype=dtype) for w in weights]
+        with torch.no_grad():
+            torch._foreach_copy_(self.weights16, weights)
+        for projection, weight16 in zip(self.projections, self.weights16):
+            projection.weight16 = weight16
+
     def forward(self, input_ids, targets=None):
         seq = input_ids.shape[1]
+        self.refresh_16bit_weights(gemm_input_dtype(input_ids.device.type))
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = EmbeddingLookup.apply(input_ids, self.embed_tokens.weight)
         with profile_range("rmsnorm"):
@@ -181,7 +240,8 @@ class TinyLlama(nn.Module):
                 return self.lm_head(normed), None
         with profile_range("loss"):
             # Output head and loss in one chunked op: the [B*S, V] float32 logits are never built.
-            return None, linear_cross_entropy(normed, self.lm_head.weight, targets)
+            return None, linear_cross_entropy(normed, self.lm_head.weight, targets,
+                                              weight16=self.lm_head.weight16)
 
     def configure_optimizer(self, train):
         """Fused AdamW on the GPU: one multi-tensor kernel updates every parameter. `capturable` keeps the step

@@ -133,7 +133,9 @@ def _compute_dtype(hidden):
 # autograd
 # ----------------------------------------------------------------------------------------------------------
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """(hidden [N, D], weight [V, D], targets [N], chunk_size, ignore_index, grad_enabled) -> mean loss.
+    """(hidden [N, D], weight [V, D], targets [N], chunk_size, ignore_index, grad_enabled, weight16) -> mean loss.
+
+    weight16: None, or a 16-bit copy of weight already made by the caller (used when it has the compute dtype).
 
     grad_enabled: torch.is_grad_enabled() of the caller. Inside forward, grad mode is always off and
     ctx.needs_input_grad only reflects requires_grad, so under torch.no_grad() it would still ask for
@@ -141,7 +143,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index, grad_enabled):
+    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index, grad_enabled, weight16):
         n_rows = hidden.shape[0]
         dtype = _compute_dtype(hidden)
         want_grad_hidden = grad_enabled and ctx.needs_input_grad[0]
@@ -149,15 +151,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         compute_grad = want_grad_hidden or want_grad_weight
         chunk_size = chunk_size or default_chunk_rows(weight.shape[0], dtype)
 
-        # Cast once, as autocast would for nn.Linear; then turn autocast off so every matmul below runs in
-        # exactly this dtype.
-        hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)
+        # Cast once, as autocast would for nn.Linear (unless the caller has the cast weight already); then turn
+        # autocast off so every matmul below runs in exactly this dtype.
+        hidden_c = hidden.to(dtype)
+        weight_c = weight16 if weight16 is not None and weight16.dtype == dtype else weight.to(dtype)
         row_loss = _new_output((n_rows,), torch.float32, hidden.device)
         # Unscaled gradients (see the module docstring): grad_hidden in the compute dtype, grad_weight summed
         # over chunks in float32.
         grad_hidden = _new_output(hidden_c.shape, dtype, hidden.device) if want_grad_hidden else None
-        grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-                       if want_grad_weight else None)
+        grad_weight = None   # float32, summed over the chunks
 
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for start in range(0, n_rows, chunk_size):
@@ -170,7 +172,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 if want_grad_hidden:
                     torch.matmul(dlogits, weight_c, out=grad_hidden[rows])
                 if want_grad_weight:
-                    _accumulate(grad_weight, dlogits.T, hidden_c[rows])
+                    grad_weight = _accumulate(grad_weight, dlogits.T, hidden_c[rows])
 
         # Mean over the rows that count; stays on the device (no .item(), so no host synchronisation).
         # With every target ignored this is 0/0 = nan, as in F.cross_entropy.
@@ -188,29 +190,51 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # One float32 scalar folds the mean's 1/n_valid and the incoming gradient (e.g. a loss scale).
         scale = grad_output.to(torch.float32) * inv_n_valid
         if grad_hidden is not None:
-            grad_hidden = (grad_hidden.to(torch.float32) * scale).to(hidden_dtype)
+            # One kernel: a 16-bit tensor times a float32 scalar is computed in float32 and rounded once.
+            grad_hidden = (grad_hidden * scale).to(hidden_dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * scale).to(weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+_FLOAT32_OUTPUT_MATMUL = {"supported": True}
+
+
+def matmul_to_float32(a, b):
+    """a @ b returned in float32, for float32 or 16-bit a and b (which are not copied to float32).
+
+    On a GPU, one GEMM that accumulates in float32 and writes float32 (torch.mm's out_dtype, where this
+    torch build has it); otherwise the 16-bit product is rounded to 16 bits first and then widened, which
+    costs a second kernel and some precision."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and _FLOAT32_OUTPUT_MATMUL["supported"]:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # an older torch, or a backend without the float32-output GEMM
+            _FLOAT32_OUTPUT_MATMUL["supported"] = False
+    return (a @ b).to(torch.float32)
 
 
 def _accumulate(grad_weight, a, b):
-    """grad_weight (float32) += a @ b, without a float32 copy of a and b when they are 16-bit."""
+    """grad_weight (float32, or None before the first chunk) + a @ b, without float32 copies of 16-bit a, b."""
+    if grad_weight is None:
+        return matmul_to_float32(a, b)
     if a.dtype == torch.float32:
-        grad_weight.addmm_(a, b)  # in place, no temporary
-    else:
-        grad_weight += a @ b  # a 16-bit [V, D] product (float32 accumulation inside the matmul), then added
+        return grad_weight.addmm_(a, b)  # in place, no temporary
+    return grad_weight.add_(matmul_to_float32(a, b))
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Public function
 # ----------------------------------------------------------------------------------------------------------
-def linear_cross_entropy(hidden, weight, targets, chunk_size=None, ignore_index=-100):
+def linear_cross_entropy(hidden, weight, targets, chunk_size=None, ignore_index=-100, weight16=None):
     """Mean cross-entropy of `hidden @ weight.T` against `targets`, never holding all the logits.
 
     hidden: [..., D] float32, or 16-bit (or float32 under autocast, then cast as nn.Linear would be).
     weight: [V, D] (the output head's weight). targets: [...] int64, matching hidden's leading dims; entries
     equal to ignore_index do not count. chunk_size: rows per chunk (default: ~DEFAULT_CHUNK_BYTES of logits).
+    weight16: optional copy of weight in autocast's dtype that the caller already made (saves the cast).
     Returns a float32 scalar equal to F.cross_entropy((hidden @ weight.T).float(), targets).
     """
     n_features = hidden.shape[-1]
@@ -224,4 +248,4 @@ def linear_cross_entropy(hidden, weight, targets, chunk_size=None, ignore_index=
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return LinearCrossEntropyFunction.apply(hidden_rows, weight, targets_rows.contiguous(), chunk_size,
-                                            ignore_index, torch.is_grad_enabled())
+                                            ignore_index, torch.is_grad_enabled(), weight16)

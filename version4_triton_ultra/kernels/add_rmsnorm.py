@@ -75,9 +75,11 @@ def _add_rms_norm_backward_kernel(
     h_ptr, weight_ptr, rstd_ptr,              # saved by forward: [N, D], [D], [N]
     grad_normed_ptr, grad_new_residual_ptr,   # incoming gradients: [N, D], [N, D] (unused without it)
     grad_h_ptr,                               # output: [N, D], the gradient of residual and of delta
+    grad_h_copy_ptr,                          # output: [N, D], the same gradient in delta's dtype (WRITE_COPY)
     partial_grad_weight_ptr,                  # output: [D, programs] float32, one partial sum per program
     n_rows, n_features, rows_per_program, n_programs,
     HAS_RESIDUAL_GRAD: tl.constexpr,          # False when nothing downstream used new_residual
+    WRITE_COPY: tl.constexpr,                 # True when delta's dtype differs from h's (e.g. bf16 vs float32)
     BLOCK_D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,                 # rows handled together: a [BLOCK_ROWS, BLOCK_D] tile per iteration
 ):
@@ -109,6 +111,8 @@ def _add_rms_norm_backward_kernel(
         if HAS_RESIDUAL_GRAD:
             grad_h += tl.load(grad_new_residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(grad_h_ptr + offsets, grad_h.to(grad_h_ptr.dtype.element_ty), mask=mask)
+        if WRITE_COPY:  # saves a separate cast kernel (one per norm and step) for a 16-bit sub-layer output
+            tl.store(grad_h_copy_ptr + offsets, grad_h.to(grad_h_copy_ptr.dtype.element_ty), mask=mask)
         grad_weight_acc += grad_normed * x_hat   # masked rows loaded zeros: they add nothing
 
     # Stored transposed, [D, programs]: the final sum then runs over contiguous memory (a fast row reduction;
@@ -181,28 +185,31 @@ def _rms_norm_forward(x, delta, weight, eps, stream_dtype, normed_dtype):
     return new_residual, normed, rstd
 
 
-def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual):
-    """Launch the backward kernel. Returns (grad_h [N, D] in h's dtype, grad_weight [D] float32)."""
+def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dtype=None):
+    """Launch the backward kernel. Returns (grad_h [N, D] in h's dtype, the same in copy_dtype or None,
+    grad_weight [D] float32)."""
     n_rows, n_features = h.shape
     grad_normed = _as_rows(grad_normed, n_features)
     has_residual_grad = grad_new_residual is not None
     # Without a residual gradient, grad_normed stands in for the unused pointer.
     grad_res = _as_rows(grad_new_residual, n_features) if has_residual_grad else grad_normed
     grad_h = _new_output((n_rows, n_features), h.dtype, h.device)
+    grad_h_copy = _new_output((n_rows, n_features), copy_dtype, h.device) if copy_dtype is not None else None
     if n_rows == 0:
-        return grad_h, torch.zeros(n_features, dtype=torch.float32, device=h.device)
+        return grad_h, grad_h_copy, torch.zeros(n_features, dtype=torch.float32, device=h.device)
 
     block_d = _block_size(n_features)
     block_rows = _backward_rows_per_tile(block_d)
     n_programs, rows_per_program = _backward_program_count(n_rows, block_rows, h.device)
     partial_grad_weight = _new_output((n_features, n_programs), torch.float32, h.device)
     _add_rms_norm_backward_kernel[(n_programs,)](
-        h, weight, rstd, grad_normed, grad_res, grad_h, partial_grad_weight,
-        n_rows, n_features, rows_per_program, n_programs,
-        HAS_RESIDUAL_GRAD=has_residual_grad, BLOCK_D=block_d, BLOCK_ROWS=block_rows,
+        h, weight, rstd, grad_normed, grad_res, grad_h, grad_h if grad_h_copy is None else grad_h_copy,
+        partial_grad_weight, n_rows, n_features, rows_per_program, n_programs,
+        HAS_RESIDUAL_GRAD=has_residual_grad, WRITE_COPY=grad_h_copy is not None, BLOCK_D=block_d,
+        BLOCK_ROWS=block_rows,
         num_warps=num_warps_for(block_rows * block_d, max_warps=8))
     # A fixed-order reduction over the programs' partial sums: deterministic, unlike atomic adds.
-    return grad_h, partial_grad_weight.sum(dim=1)
+    return grad_h, grad_h_copy, partial_grad_weight.sum(dim=1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -242,17 +249,23 @@ class AddRMSNormFunction(torch.autograd.Function):
         h, weight, rstd = ctx.saved_tensors
         residual_dtype, delta_dtype = ctx.dtypes
 
+        # delta in another dtype than the stream (a bf16 sub-layer output added to a float32 stream): the kernel
+        # writes its gradient in that dtype too.
+        copy_dtype = delta_dtype if ctx.has_delta and delta_dtype != h.dtype else None
+        grad_h_copy = None
         if grad_normed is None:  # only the residual path was used: the norm contributes nothing
             grad_h, grad_weight = grad_new_residual, None
         else:
-            grad_h, grad_weight = _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual)
+            grad_h, grad_h_copy, grad_weight = _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual,
+                                                                  copy_dtype)
 
         grad_residual = grad_delta = None
         if grad_h is not None:
             grad_h = grad_h.view(ctx.shape)
             grad_residual = grad_h.to(residual_dtype)
             if ctx.has_delta:
-                grad_delta = grad_h.to(delta_dtype)  # the very same tensor when the dtypes agree
+                # The very same tensor when the dtypes agree.
+                grad_delta = grad_h.to(delta_dtype) if grad_h_copy is None else grad_h_copy.view(ctx.shape)
         if grad_weight is not None and ctx.needs_input_grad[2]:
             grad_weight = grad_weight.to(weight.dtype)
         else:

@@ -353,6 +353,23 @@ def test_matmul_to_float32_of_16bit_operands(device):
     assert_matches(product, a.double() @ b.double(), torch.bfloat16, "a @ b")
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the all-ignored 0/0 below
+@pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
+@pytest.mark.parametrize("n_rows", [1, 1023, 1025, 3000])
+def test_mean_loss_counts_only_targets_not_ignored(n_rows, device):
+    g = torch.Generator().manual_seed(n_rows)
+    row_loss = torch.rand(n_rows, generator=g).to(device)
+    targets = torch.randint(0, 50, (n_rows,), generator=g)
+    targets[torch.rand(n_rows, generator=g) < 0.3] = -100
+    targets = targets.to(device)
+    loss, inv_count = lce.mean_loss(row_loss, targets)
+    valid = targets != -100
+    torch.testing.assert_close(loss, row_loss.sum() / valid.sum())   # ignored rows carry loss 0 already
+    torch.testing.assert_close(inv_count, 1.0 / valid.sum().float())
+    all_ignored, _ = lce.mean_loss(row_loss * 0, torch.full_like(targets, -100))
+    assert torch.isnan(all_ignored)
+
+
 def test_default_chunk_rows():
     assert lce.default_chunk_rows(32000, torch.bfloat16) == 512  # 32 MiB of bf16 logits
     rows = lce.default_chunk_rows(10**7, torch.float32)  # a huge vocabulary still gets a usable chunk

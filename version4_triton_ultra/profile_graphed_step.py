@@ -1,0 +1,108 @@
+"""Version 4's graph-captured training step alone: its median time, and every kernel it runs with its cost.
+
+    python profile_graphed_step.py                                  (seed config, float32 with TF32)
+    python profile_graphed_step.py --use-amp                        (bfloat16 autocast)
+    python profile_graphed_step.py --use-amp --batch-size 32 --seq-len 512 --top 20
+
+The training script (tiny_llama_v4.py) times the whole loop: the graph replay plus the copy of each batch into
+the graph's input buffers. This script builds the same model and the same GraphedStep, replays it on one fixed
+batch, and reports
+  1. the median step time over --steps replays, each timed with device events (after 20 warm-up replays);
+  2. a table of the kernels of one step, from the PyTorch profiler over 10 replays: how many times each kernel
+     runs per step, its mean duration and its total per step, largest first; plus the sum over all kernels and
+     the device time from the first kernel to the last (under the profiler, so larger than the median of 1).
+That table is where the "what is left" of version 4 is read: GEMMs, attention, norms, the optimizer, casts.
+Needs a GPU (CUDA or ROCm): a graph replay does not exist on the CPU.
+"""
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
+
+from tinytransformer.cli import OneLineParser, positive_int  # noqa: E402
+from tinytransformer.config import ModelConfig, TrainConfig  # noqa: E402
+
+
+def parse_args(argv):
+    parser = OneLineParser(prog="profile_graphed_step.py",
+                           description="Median time and kernel table of version 4's graph-captured step.")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--seq-len", type=positive_int, default=128)
+    parser.add_argument("--use-amp", action="store_true", help="bfloat16 autocast (default: float32 with TF32)")
+    parser.add_argument("--steps", type=positive_int, default=200, help="timed replays [200]")
+    parser.add_argument("--top", type=positive_int, default=45, help="kernel rows to print [45]")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a GPU (CUDA or ROCm): the step is a CUDA/HIP graph replay")
+    return args
+
+
+def build_step(args):
+    """The model, its fused AdamW and version 4's GraphedStep, as the training script builds them."""
+    from version4_triton_ultra import tiny_llama_v4 as v4
+    torch.backends.cuda.matmul.allow_tf32 = True    # the training script's default (--tf32)
+    config = ModelConfig(max_seq_len=max(args.seq_len, ModelConfig().max_seq_len))
+    train = TrainConfig(batch_size=args.batch_size, seq_len=args.seq_len, use_amp=args.use_amp,
+                        amp_dtype="bfloat16")
+    model = v4.TinyLlama(config)
+    model.capturable_optimizer = True
+    model.cuda()
+    step = v4.GraphedStep(model, model.configure_optimizer(train), torch.device("cuda"), train)
+    tokens = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len + 1), device="cuda")
+    return step, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def median_step_ms(step, inputs, targets, steps: int) -> float:
+    for _ in range(20):   # eager warm-up steps, the capture, and some replays
+        step(inputs, targets)
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for start, end in events:
+        start.record()
+        step(inputs, targets)
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def kernel_table(step, inputs, targets, replays: int = 10) -> tuple[list, float, float]:
+    """([(name, launches per step, mean us, us per step)], sum of kernel time per step, device span per step)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            step(inputs, targets)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]   # HIP kernels are "CUDA" too
+    per_name = defaultdict(lambda: [0, 0.0])
+    for event in kernels:
+        per_name[event.name][0] += 1
+        per_name[event.name][1] += event.device_time
+    rows = sorted(((name, count / replays, total / count, total / replays)
+                   for name, (count, total) in per_name.items()), key=lambda row: -row[3])
+    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / replays
+    return rows, sum(row[3] for row in rows), span
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    step, inputs, targets = build_step(args)
+    ms = median_step_ms(step, inputs, targets, args.steps)
+    precision = "bfloat16 autocast" if args.use_amp else "float32 (TF32 GEMMs)"
+    print(f"{torch.cuda.get_device_name()}, batch {args.batch_size}, seq {args.seq_len}, {precision}: "
+          f"median {ms * 1000:.1f} us per step = {args.batch_size / ms * 1000:,.0f} samples/s")
+    rows, total_us, span_us = kernel_table(step, inputs, targets)
+    launches = sum(row[1] for row in rows)
+    print(f"under the profiler: {launches:.0f} kernels per step, {total_us:.1f} us of kernel time, "
+          f"{span_us:.1f} us from first kernel to last")
+    print(f"{'per step':>9} {'mean us':>8} {'us/step':>8}  kernel")
+    for name, count, mean_us, step_us in rows[:args.top]:
+        print(f"{count:9.1f} {mean_us:8.2f} {step_us:8.1f}  {name[:100]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -450,6 +450,8 @@ class Trainer:
             metrics["deepspeed_flops"] = self.run_deepspeed_flops()
         if self.profile_result:
             metrics["profile"] = self.profile_result
+            if self.profile_result.get("kernels_per_step") is not None:
+                metrics["kernels_per_step"] = self.profile_result["kernels_per_step"]
         self.print_summary(metrics)
         if writer is not None:
             writer.close()
@@ -717,7 +719,6 @@ class Trainer:
         self.log(line)
         profile = m.get("profile") or {}
         if profile.get("kernels_per_step") is not None:
-            m["kernels_per_step"] = profile["kernels_per_step"]
             self.log(f"kernels     : {profile['kernels_per_step']:.0f} GPU kernels per step (profiled)")
 
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinytransformer.triton_support import interpreter_active, num_warps_for
+from tinytransformer.triton_support import interpreter_active, is_rocm, num_warps_for
 
 # One program holds a whole row in registers; beyond this many features it would spill.
 MAX_FEATURES = 8192
@@ -91,6 +91,7 @@ def _add_rms_norm_backward_kernel(
     WRITE_COPY: tl.constexpr,                 # True when delta's dtype differs from h's (e.g. bf16 vs float32)
     LAST_SUMS: tl.constexpr,                  # True: the last program sums the partials (else torch.sum does)
     BLOCK_P: tl.constexpr,                    # partial sums read at a time by the last program
+    L2_LOAD: tl.constexpr,                    # ".cg" on NVIDIA (bypass L1); "" on AMD, whose acquire invalidates
     BLOCK_D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,                 # rows handled together: a [BLOCK_ROWS, BLOCK_D] tile per iteration
 ):
@@ -129,18 +130,21 @@ def _add_rms_norm_backward_kernel(
     # Stored transposed, [D, programs]: the final sum then reads contiguous memory per feature.
     tl.store(partial_grad_weight_ptr + cols * n_programs + program, tl.sum(grad_weight_acc, axis=0), mask=col_mask)
     # The atomic add (acquire-release, device scope) publishes this program's partial sum before its ticket
-    # is counted, and lets the program holding the last ticket see every other program's partial sum.
+    # is counted, and lets the program holding the last ticket see every other program's partial sum. One
+    # thread performs it: the barrier first makes every thread's store of the partial sum part of what it
+    # publishes.
     if LAST_SUMS:
+        tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr, 1)
         if ticket == n_programs - 1:
             _sum_partial_grad_weights(partial_grad_weight_ptr, grad_weight_ptr, n_features, n_programs, BLOCK_D,
-                                      BLOCK_P)
+                                      BLOCK_P, L2_LOAD)
             tl.store(ticket_ptr, 0)   # ready for the next launch (launches on one stream never overlap)
 
 
 @triton.jit
 def _sum_partial_grad_weights(partial_ptr, grad_weight_ptr, n_features, n_programs, BLOCK_D: tl.constexpr,
-                              BLOCK_P: tl.constexpr):
+                              BLOCK_P: tl.constexpr, L2_LOAD: tl.constexpr):
     """grad_weight[d] = sum_p partial[d, p], in program order: one pass over the [D, programs] buffer."""
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < n_features
@@ -149,7 +153,7 @@ def _sum_partial_grad_weights(partial_ptr, grad_weight_ptr, n_features, n_progra
         programs = start + tl.arange(0, BLOCK_P)
         mask = col_mask[:, None] & (programs < n_programs)[None, :]
         block = tl.load(partial_ptr + cols[:, None] * n_programs + programs[None, :], mask=mask, other=0.0,
-                        cache_modifier=".cg")   # from L2, where the other programs' stores are
+                        cache_modifier=L2_LOAD)   # NVIDIA: from L2, where the other programs' stores are
         total += tl.sum(block, axis=1)
     tl.store(grad_weight_ptr + cols, total, mask=col_mask)
 
@@ -256,7 +260,8 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
         partial_grad_weight, partial_grad_weight if grad_weight is None else grad_weight,
         _ticket_counter(h.device), n_rows, n_features, rows_per_program, n_programs,
         HAS_RESIDUAL_GRAD=has_residual_grad, WRITE_COPY=grad_h_copy is not None, LAST_SUMS=last_sums,
-        BLOCK_P=min(64, triton.next_power_of_2(n_programs)), BLOCK_D=block_d, BLOCK_ROWS=block_rows,
+        BLOCK_P=min(64, triton.next_power_of_2(n_programs)), L2_LOAD="" if is_rocm() else ".cg",
+        BLOCK_D=block_d, BLOCK_ROWS=block_rows,
         num_warps=num_warps_for(block_rows * block_d, max_warps=8))
     if not last_sums:
         grad_weight = partial_grad_weight.sum(dim=1)   # a fixed-order reduction: deterministic too

@@ -7,14 +7,16 @@ line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 from .config import (ConfigError, ModelConfig, TrainConfig, check_compatible, load_yaml, preset_path,
                      split_settings)
-from .distributed import is_main_process, shutdown as leave_process_group
+from .distributed import finish_together, is_main_process, shutdown as leave_process_group
 from .profiling import SORT_KEYS
 
 EXIT_BAD_INPUT = 2
@@ -32,11 +34,23 @@ class VersionSpec:
     make_step: Callable | None = None            # (model, optimizer, device, train, args) -> step(inputs, targets)
 
 
+# Under torchrun every rank finds the same bad input and rank 0 alone reports it. The others wait this long
+# before exiting: torchrun stops all workers as soon as one exits with an error, which could otherwise stop
+# rank 0 before it has printed its line.
+SILENT_RANK_EXIT_DELAY_S = 3.0
+
+
+def let_rank_zero_report() -> None:
+    if not is_main_process():
+        time.sleep(SILENT_RANK_EXIT_DELAY_S)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but an error is one line (program: error: ...) and exit code 2."""
 
     def error(self, message):
         # Under torchrun every rank parses the same arguments: rank 0 alone says what is wrong.
+        let_rank_zero_report()
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n" if is_main_process() else None)
 
 
@@ -193,6 +207,7 @@ def run(spec: VersionSpec, argv=None) -> int:
     parser = build_parser(spec)
     args = parser.parse_args(argv)
     from .trainer import Trainer  # after parsing: --help stays fast
+    trainer = None
     try:
         model_config, train_config = resolve_configs(args)
         trainer = Trainer(spec, model_config, train_config, args,
@@ -202,6 +217,7 @@ def run(spec: VersionSpec, argv=None) -> int:
             if not validate_setup(trainer):
                 return 1
         result = trainer.run()
+        finish_together()   # under data parallel: every rank done before any leaves the process group
         if result.exit_code:   # stopped early by SIGINT / SIGTERM after writing a checkpoint
             return result.exit_code
         if train_config.validate_setup:
@@ -210,6 +226,7 @@ def run(spec: VersionSpec, argv=None) -> int:
     except ConfigError as error:
         if is_main_process():   # every rank finds the same error; one line is enough
             print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        let_rank_zero_report()
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
@@ -223,7 +240,12 @@ def run(spec: VersionSpec, argv=None) -> int:
               f"reduce --batch-size or --seq-len", file=sys.stderr)
         return 1
     finally:
-        leave_process_group()   # a data-parallel run (or one that failed half-way) leaves its process group
+        # A data-parallel run (or one that failed half-way) leaves its process group. The trainer goes first: its
+        # DistributedDataParallel wrapper holds the group, and a group destroyed while the interpreter shuts down
+        # (instead of here) can abort the process with "terminate called without an active exception".
+        trainer = None
+        gc.collect()
+        leave_process_group()
     return 0
 
 

@@ -186,6 +186,13 @@ def setup(train: TrainConfig, device: torch.device, env=os.environ) -> Distribut
     return DistributedContext(True, rank, local_rank, world_size, backend, engine, device)
 
 
+def finish_together() -> None:
+    """Wait until every rank has finished its run. Then no rank tears its connections down while another one is
+    still using them, which can abort a process at exit instead of letting it end cleanly."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def shutdown() -> None:
     """Leave the process group (at the end of a run, or after an error), so the process exits cleanly."""
     if dist.is_available() and dist.is_initialized():

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from table_format import NO_MATPLOTLIB, fmt, load_pyplot, markdown_header, markdown_row
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {
     "v1": "version1_pytorch_baseline/tiny_llama_v1.py",
@@ -118,14 +120,10 @@ def add_speedups(rows: list[dict]) -> None:
         row["speedup_vs_v1"] = row["samples_per_s"] / ref if ref and row.get("samples_per_s") else None
 
 
-def fmt(value, spec):
-    return format(value, spec) if isinstance(value, (int, float)) else "n/a"
-
-
 def table(rows: list[dict]) -> str:
     header = ("variant", "batch", "seq", "samples/s", "tokens/s", "step ms", "peak MiB", "kernels/step",
               "vs v1", "final loss")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = markdown_header(header)
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['variant']} | {r['batch_size']} | {r['seq_len']} | failed: {r['error']} |")
@@ -133,7 +131,7 @@ def table(rows: list[dict]) -> str:
         cells = (r["variant"], str(r["batch_size"]), str(r["seq_len"]), fmt(r["samples_per_s"], ",.0f"),
                  fmt(r["tokens_per_s"], ",.0f"), fmt(r["median_step_ms"], ".2f"), fmt(r["peak_memory_mib"], ",.0f"),
                  fmt(r["kernels_per_step"], ".0f"), fmt(r["speedup_vs_v1"], ".2f") + "x", fmt(r["final_loss"], ".4f"))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(markdown_row(cells))
     return "\n".join(lines)
 
 
@@ -152,12 +150,9 @@ def environment() -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install matplotlib): no plot written"
+    plt = load_pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     configs = sorted({(r["batch_size"], r["seq_len"]) for r in rows})
     fig, ax = plt.subplots(figsize=(max(6, len(configs) * 0.6), 4))
     for label in VARIANTS:

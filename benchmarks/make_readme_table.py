@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from table_format import fmt
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 README = REPO_ROOT / "README.md"
@@ -25,10 +27,6 @@ VERSION_READMES = {
     "v3": REPO_ROOT / "version3_triton" / "README.md",
     "v4": REPO_ROOT / "version4_triton_ultra" / "README.md",
 }
-
-
-def fmt(value, spec):
-    return format(value, spec) if isinstance(value, (int, float)) else "n/a"
 
 
 def render(results: dict, name: str) -> str:

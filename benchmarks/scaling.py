@@ -30,6 +30,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from table_format import NO_MATPLOTLIB, fmt, load_pyplot, markdown_header, markdown_row
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {
     "v1": "version1_pytorch_baseline/tiny_llama_v1.py",
@@ -109,10 +111,6 @@ def add_efficiency(rows: list[dict]) -> None:
             row["speedup"] = row["efficiency"] = None
 
 
-def fmt(value, spec: str, suffix: str = "") -> str:
-    return format(value, spec) + suffix if isinstance(value, (int, float)) else "n/a"
-
-
 def percent(fraction) -> str:
     return fmt(100 * fraction if isinstance(fraction, (int, float)) else None, ".1f", "%")
 
@@ -120,7 +118,7 @@ def percent(fraction) -> str:
 def table(rows: list[dict]) -> str:
     header = ("version", "preset", "GPUs", "global batch", "samples/s", "step ms", "speed-up", "efficiency",
               "MFU", "MiB/GPU")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = markdown_header(header)
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['version']} | {r['preset']} | {r['gpus']} | failed: {r['error']} |")
@@ -128,17 +126,14 @@ def table(rows: list[dict]) -> str:
         cells = (r["version"], r["preset"], str(r["gpus"]), str(r["global_batch_size"]),
                  fmt(r["samples_per_s"], ",.0f"), fmt(r["median_step_ms"], ".2f"), fmt(r["speedup"], ".2f", "x"),
                  percent(r["efficiency"]), percent(r["mfu"]), fmt(r["peak_memory_mib_per_gpu"], ",.0f"))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(markdown_row(cells))
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> str:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install matplotlib): no plot written"
+    plt = load_pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     series = sorted({(r["version"], r["preset"]) for r in rows})
     fig, ax = plt.subplots(figsize=(6, 4))
     for version, preset in series:

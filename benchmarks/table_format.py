@@ -1,0 +1,29 @@
+"""Formatting shared by the benchmark scripts: numbers that may be missing, markdown table rows, optional plots."""
+
+
+def fmt(value, spec: str, suffix: str = "") -> str:
+    """`value` formatted with `spec` (plus suffix), or "n/a" when it is missing (None, or not a number)."""
+    return format(value, spec) + suffix if isinstance(value, (int, float)) else "n/a"
+
+
+def markdown_row(cells) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_header(columns, align: str = "---") -> list[str]:
+    """The header row and the separator row of a markdown table."""
+    return [markdown_row(columns), "|" + f"{align}|" * len(columns)]
+
+
+def load_pyplot():
+    """matplotlib.pyplot with a file-only backend, or None when matplotlib is not installed (it is optional)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib): no plot written"

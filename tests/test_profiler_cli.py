@@ -382,3 +382,21 @@ def test_script_runs_from_its_own_directory(tmp_path):
                             cwd=REPO / "version2_pytorch_fused", capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "Profiled steps: 2" in result.stdout
+
+
+def test_profile_range_opens_a_record_function_range_only_while_the_profiler_records(monkeypatch):
+    import torch
+    from torch.profiler import profile
+
+    from tinytransformer import profiling
+
+    with profile() as prof:
+        with profiling.profile_range("attention"):
+            torch.ones(4).add_(1)
+    assert "attention" in [event.name for event in prof.events()]
+
+    def must_not_open(name):
+        raise AssertionError(f"record_function({name!r}) opened with no profiler recording")
+    monkeypatch.setattr(profiling, "record_function", must_not_open)
+    with profiling.profile_range("attention"):
+        torch.ones(4).add_(1)

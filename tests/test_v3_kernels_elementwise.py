@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from version3_triton.kernels.rmsnorm import rms_norm, rms_norm_backward, rms_norm_forward
-from version3_triton.kernels.rope import apply_rope, rope_backward, rope_forward, rope_tables
+from version3_triton.kernels.rope import (apply_rope, apply_rope_packed, rope_backward, rope_forward,
+                                          rope_packed_backward, rope_packed_forward, rope_tables)
 from version3_triton.kernels.swiglu import (swiglu, swiglu_backward, swiglu_forward, swiglu_fused,
                                             swiglu_fused_backward, swiglu_fused_forward)
 
@@ -315,6 +316,84 @@ def test_rope_full_size(shape, dtype, device):
     assert_close(k_rot, k_rot_ref, dtype, "k_rot")
     assert_close(q.grad, grad_q_ref, dtype, "grad_q")
     assert_close(k.grad, grad_k_ref, dtype, "grad_k")
+
+
+# The packed layout: qkv [B, S, 3D] as the fused projection writes it (version 3's model uses this path).
+
+
+def packed_reference_grads(qkv, num_heads, cos, sin, grad_out):
+    """float64 reference: RoPE on the q and k column blocks of qkv, v passed through; and qkv's gradient."""
+    qkv64 = float64_leaf(qkv)
+    batch, seq_len, width = qkv.shape
+    q, k, v = qkv64.view(batch, seq_len, 3, num_heads, -1).unbind(2)          # [B, S, H, Dh] views
+    q_rot, k_rot = (rope_reference(t.transpose(1, 2), cos, sin).transpose(1, 2) for t in (q, k))
+    out = torch.stack([q_rot, k_rot, v], dim=2).reshape(batch, seq_len, width)
+    out.backward(grad_out.double())
+    return out.detach(), qkv64.grad
+
+
+# (batch, seq, heads, head_dim): S = 37 is not a power of two; head_dim 48 has a half of 24 (masked columns).
+PACKED_SHAPES = [(2, 37, 3, 32), (1, 16, 2, 64), (2, 9, 2, 48)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", PACKED_SHAPES)
+def test_rope_packed_kernels_write_every_element(shape, dtype, device):
+    batch, seq_len, heads, head_dim = shape
+    width = 3 * heads * head_dim
+    cos, sin = rope_tables(seq_len + 5, head_dim, device=device)
+    qkv = torch.randn(batch, seq_len, width, device=device).to(dtype)
+    grad_out = torch.randn_like(qkv)
+
+    out = rope_packed_forward(qkv, heads, cos, sin, out=poisoned(qkv.shape, dtype, device))
+    grad_qkv = rope_packed_backward(grad_out, heads, cos, sin, grad_qkv=poisoned(qkv.shape, dtype, device))
+
+    out_ref, grad_ref = packed_reference_grads(qkv, heads, cos, sin, grad_out)
+    assert out.dtype == grad_qkv.dtype == dtype
+    assert_close(out, out_ref, dtype, "rotated qkv")
+    assert_close(grad_qkv, grad_ref, dtype, "grad qkv")
+    dim = heads * head_dim
+    assert torch.equal(out[..., 2 * dim:], qkv[..., 2 * dim:]), "v must be copied unchanged"
+    assert torch.equal(grad_qkv[..., 2 * dim:], grad_out[..., 2 * dim:]), "v's gradient must pass unchanged"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_apply_rope_packed_agrees_with_the_unpacked_kernel(dtype, device):
+    """Both layouts rotate with the same kernel: the packed result equals apply_rope on the permuted views."""
+    batch, seq_len, heads, head_dim = 2, 21, 4, 32
+    qkv = torch.randn(batch, seq_len, 3 * heads * head_dim, device=device).to(dtype).requires_grad_()
+    cos, sin = rope_tables(seq_len, head_dim, device=device)
+    out = apply_rope_packed(qkv, heads, cos, sin)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+
+    q, k, v = qkv.detach().view(batch, seq_len, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+    q_rot, k_rot = apply_rope(q, k, cos, sin)
+    rotated = out.detach().view(batch, seq_len, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+    assert torch.equal(rotated[0], q_rot) and torch.equal(rotated[1], k_rot) and torch.equal(rotated[2], v)
+    _, grad_ref = packed_reference_grads(qkv, heads, cos, sin, grad_out)
+    assert_close(qkv.grad, grad_ref, dtype, "grad qkv")
+
+
+def test_rope_packed_refuses_a_width_that_does_not_split_into_heads(device):
+    cos, sin = rope_tables(4, 32, device=device)
+    with pytest.raises(AssertionError, match="3 \\* num_heads"):
+        rope_packed_forward(torch.randn(1, 4, 100, device=device), 2, cos, sin)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(8, 128, 8, 32), (4, 1024, 16, 64), (2, 1000, 5, 128)])
+def test_rope_packed_full_size(shape, dtype, device):
+    batch, seq_len, heads, head_dim = shape
+    qkv = torch.randn(batch, seq_len, 3 * heads * head_dim, device=device).to(dtype).requires_grad_()
+    cos, sin = rope_tables(seq_len, head_dim, device=device)
+    out = apply_rope_packed(qkv, heads, cos, sin)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    out_ref, grad_ref = packed_reference_grads(qkv, heads, cos, sin, grad_out)
+    assert_close(out, out_ref, dtype, "rotated qkv")
+    assert_close(qkv.grad, grad_ref, dtype, "grad qkv")
 
 
 # ================================================================================================ SwiGLU

@@ -4,6 +4,7 @@ What changed from version 2 (`diff ../version2_pytorch_fused/tiny_llama_v2.py ti
   - RMSNorm: one Triton kernel per direction (PyTorch runs ~6 element-wise kernels) -> kernels/rmsnorm.py
   - RoPE: q and k rotated in one kernel, backward is the inverse rotation         -> kernels/rope.py
   - Attention: our own causal flash attention (online softmax, no S x S matrix)    -> kernels/flash_attention.py
+    Both read the fused QKV output [B, S, 3D] as it is: no permute copies to [B, H, S, Dh] and back.
   - SwiGLU: silu(gate) * up read straight from the fused gate/up GEMM output      -> kernels/swiglu.py
   - Every kernel sits behind a torch.autograd.Function with a Triton backward: a kernel called outside one
     would silently cut the autograd graph (the parameters before it would never learn).
@@ -35,9 +36,9 @@ from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402
 from tinytransformer.profiling import profile_range  # noqa: E402
 from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
                                      init_canonical_weights, split)
-from version3_triton.kernels.flash_attention import flash_attention  # noqa: E402
+from version3_triton.kernels.flash_attention import flash_attention_packed  # noqa: E402
 from version3_triton.kernels.rmsnorm import rms_norm  # noqa: E402
-from version3_triton.kernels.rope import apply_rope, rope_tables  # noqa: E402
+from version3_triton.kernels.rope import apply_rope_packed, rope_tables  # noqa: E402
 from version3_triton.kernels.swiglu import swiglu_fused  # noqa: E402
 
 
@@ -55,7 +56,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Fused QKV GEMM -> Triton RoPE -> Triton flash attention -> output GEMM."""
+    """Fused QKV GEMM -> Triton RoPE -> Triton flash attention -> output GEMM, all on the packed [B, S, 3D]."""
 
     exact_float32 = False   # True: float32 dot products in IEEE float32 instead of TF32 (tests, debugging)
 
@@ -67,14 +68,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(d, d, bias=False)
 
     def forward(self, x, cos, sin):
-        batch, seq, dim = x.shape
         with profile_range("attention"):
-            qkv = self.qkv_proj(x).view(batch, seq, 3, self.num_heads, self.head_dim)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)          # views [B, H, S, Dh]
+            qkv = self.qkv_proj(x)                                    # [B, S, 3D]: per token q, k, v heads
             with profile_range("rope"):
-                q, k = apply_rope(q, k, cos, sin)                     # one kernel for both
-            out = flash_attention(q, k, v, causal=True, precise_fp32=self.exact_float32)  # no [B, H, S, S]
-            out = out.transpose(1, 2).reshape(batch, seq, dim)
+                qkv = apply_rope_packed(qkv, self.num_heads, cos, sin)   # q and k rotated in one kernel
+            # Reads q, k, v straight out of qkv and writes [B, S, D]: no [B, H, S, S], and no layout copies
+            # (a permute to [B, H, S, Dh] and back would cost a copy of each tensor, forward and backward).
+            out = flash_attention_packed(qkv, self.num_heads, causal=True, precise_fp32=self.exact_float32)
             return self.o_proj(out)
 
 

@@ -20,6 +20,13 @@ Backward: out is linear in x, so dx is the transpose (adjoint) applied to g = d 
 With the duplicated tables (cos1 = cos2, sin1 = sin2) this is the rotation by the opposite angle: the inverse
 of the forward rotation, as expected for a rotation (an orthogonal map). The same kernel does both directions,
 chosen by the compile-time flag INVERSE.
+
+Two layouts, one kernel:
+  apply_rope(q, k, ...)            q, k as [B, H, S, Dh] tensors (the textbook layout; v1's apply_rope)
+  apply_rope_packed(qkv, H, ...)   the fused QKV projection's output [B, S, 3 * H * Dh] as it is: version 3's
+                                   model uses this one. Taking q and k out of qkv as [B, H, S, Dh] would cost a
+                                   copy of each (a permute is not contiguous), plus a copy of v for attention
+                                   and copies back in the backward pass: seven extra kernels per layer and step.
 """
 import torch
 import triton
@@ -32,67 +39,89 @@ from tinytransformer.triton_support import num_warps_for
 
 @triton.jit
 def _rotate_rows(
-    in_ptr, out_ptr,       # [n_rows, 2 * half] contiguous: one row is one head vector at one position
+    in_ptr, out_ptr,       # one row is one head vector (2 * half elements) at one position; see below
     cos_ptr, sin_ptr,      # [>= seq_len, 2 * half] float32 contiguous
     row_block, n_rows, seq_len, half,
+    rows_per_position,     # 1 for [B, H, S, Dh]; H for the packed [B, S, 3 * H * Dh] layout (one row per head)
+    position_stride,       # elements from one position's first row to the next position's
     INVERSE: tl.constexpr,
+    COPY: tl.constexpr,    # True: copy the rows unchanged (v in the packed layout travels with q and k)
     BLOCK_ROWS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,  # next power of two >= half
 ):
-    """Rotate the rows row_block * BLOCK_ROWS ... + BLOCK_ROWS - 1 of one tensor (forward or inverse)."""
+    """Rotate (or copy) the rows row_block * BLOCK_ROWS ... + BLOCK_ROWS - 1 of one tensor.
+
+    Row r is head (r % rows_per_position) at the (r // rows_per_position)-th position of the tensor, whose
+    positions are ordered [batch, seq]; so it starts at (r // rows_per_position) * position_stride + head * Dh
+    and its position in the sequence is (r // rows_per_position) % seq_len.
+      [B, H, S, Dh] contiguous:   rows_per_position = 1, position_stride = Dh   (row r starts at r * Dh)
+      packed q (or k) of [B, S, 3D]: rows_per_position = H, position_stride = 3D (the H heads of a token are
+                                     adjacent, so a block of rows is still one contiguous stretch of memory)
+    """
     rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_HALF)
     mask = (rows < n_rows)[:, None] & (cols < half)[None, :]
     head_dim = 2 * half
 
-    # Rows are ordered [batch, head, position], so a row's position is its index modulo seq_len.
-    positions = rows % seq_len
-    table_first = positions[:, None] * head_dim + cols[None, :]
-    table_second = table_first + half
-    # int64: rows * head_dim overflows int32 once q holds more than 2^31 elements.
-    first = rows.to(tl.int64)[:, None] * head_dim + cols[None, :]
+    token = rows // rows_per_position
+    head = rows % rows_per_position
+    # int64: token * position_stride overflows int32 once a tensor holds more than 2^31 elements.
+    first = (token.to(tl.int64) * position_stride + head * head_dim)[:, None] + cols[None, :]
     second = first + half
-
-    x1 = tl.load(in_ptr + first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(in_ptr + second, mask=mask, other=0.0).to(tl.float32)
-    # The tables are small ([S, Dh]) and shared by every batch element and head, so these loads hit the cache.
-    cos1 = tl.load(cos_ptr + table_first, mask=mask, other=0.0)
-    cos2 = tl.load(cos_ptr + table_second, mask=mask, other=0.0)
-    sin1 = tl.load(sin_ptr + table_first, mask=mask, other=0.0)
-    sin2 = tl.load(sin_ptr + table_second, mask=mask, other=0.0)
-
-    if INVERSE:  # the adjoint, used by the backward pass (see the module docstring)
-        out1 = x1 * cos1 + x2 * sin2
-        out2 = x2 * cos2 - x1 * sin1
+    x1 = tl.load(in_ptr + first, mask=mask, other=0.0)
+    x2 = tl.load(in_ptr + second, mask=mask, other=0.0)
+    if COPY:
+        tl.store(out_ptr + first, x1, mask=mask)
+        tl.store(out_ptr + second, x2, mask=mask)
     else:
-        out1 = x1 * cos1 - x2 * sin1
-        out2 = x2 * cos2 + x1 * sin2
+        x1 = x1.to(tl.float32)
+        x2 = x2.to(tl.float32)
+        positions = token % seq_len
+        table_first = positions[:, None] * head_dim + cols[None, :]
+        table_second = table_first + half
+        # The tables are small ([S, Dh]) and shared by every batch element and head: these loads hit the cache.
+        cos1 = tl.load(cos_ptr + table_first, mask=mask, other=0.0)
+        cos2 = tl.load(cos_ptr + table_second, mask=mask, other=0.0)
+        sin1 = tl.load(sin_ptr + table_first, mask=mask, other=0.0)
+        sin2 = tl.load(sin_ptr + table_second, mask=mask, other=0.0)
 
-    tl.store(out_ptr + first, out1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + second, out2.to(out_ptr.dtype.element_ty), mask=mask)
+        if INVERSE:  # the adjoint, used by the backward pass (see the module docstring)
+            out1 = x1 * cos1 + x2 * sin2
+            out2 = x2 * cos2 - x1 * sin1
+        else:
+            out1 = x1 * cos1 - x2 * sin1
+            out2 = x2 * cos2 + x1 * sin2
+
+        tl.store(out_ptr + first, out1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + second, out2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-    n_q_rows, n_k_rows, seq_len, half,
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, cos_ptr, sin_ptr,
+    n_q_rows, n_k_rows, seq_len, half, rows_per_position, position_stride,
     INVERSE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """Grid (row blocks, 2): the second grid axis picks the tensor, so q and k share one launch.
+    """Grid (row blocks, 2 or 3): the second grid axis picks the tensor, so q and k (and, in the packed layout,
+    the copy of v) share one launch.
 
     Used for the forward pass (INVERSE=False: rotate q and k) and the backward pass (INVERSE=True: the
     pointers are then the gradients of q_rot and k_rot, and the outputs the gradients of q and k).
     k may have fewer heads than q (grouped-query attention): its surplus row blocks are simply masked off.
     """
     row_block = tl.program_id(0)
-    if tl.program_id(1) == 0:
+    tensor = tl.program_id(1)
+    if tensor == 0:
         _rotate_rows(q_ptr, q_out_ptr, cos_ptr, sin_ptr, row_block, n_q_rows, seq_len, half,
-                     INVERSE, BLOCK_ROWS, BLOCK_HALF)
-    else:
+                     rows_per_position, position_stride, INVERSE, False, BLOCK_ROWS, BLOCK_HALF)
+    elif tensor == 1:
         _rotate_rows(k_ptr, k_out_ptr, cos_ptr, sin_ptr, row_block, n_k_rows, seq_len, half,
-                     INVERSE, BLOCK_ROWS, BLOCK_HALF)
+                     rows_per_position, position_stride, INVERSE, False, BLOCK_ROWS, BLOCK_HALF)
+    else:
+        _rotate_rows(v_ptr, v_out_ptr, cos_ptr, sin_ptr, row_block, n_k_rows, seq_len, half,
+                     rows_per_position, position_stride, INVERSE, True, BLOCK_ROWS, BLOCK_HALF)
 
 
 # ------------------------------------------------------------------------------------------------ launchers
@@ -118,35 +147,65 @@ def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0, device=None
     return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
+def _float32_tables(cos, sin, seq_len: int, head_dim: int):
+    assert cos.shape == sin.shape and cos.shape[0] >= seq_len and cos.shape[1] == head_dim, \
+        f"cos/sin must be [>= {seq_len}, {head_dim}], got {tuple(cos.shape)}"
+    # The tables stay float32 whatever q's dtype: they are tiny, and angles near pi lose precision in bf16.
+    return cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
+
+
+def _launch(tensors, outputs, cos, sin, n_q_rows, n_k_rows, seq_len, head_dim, rows_per_position,
+            position_stride, inverse: bool):
+    """One launch over (q, k) or (q, k, v): grid (row blocks, number of tensors)."""
+    n_rows = max(n_q_rows, n_k_rows)
+    if n_rows == 0:
+        return
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_rows = max(1, min(_ELEMENTS_PER_PROGRAM // (2 * block_half), triton.next_power_of_2(n_rows)))
+    q, k = tensors[:2]
+    v = tensors[2] if len(tensors) == 3 else q          # placeholder without v: never read (grid axis of 2)
+    q_out, k_out = outputs[:2]
+    v_out = outputs[2] if len(outputs) == 3 else q_out
+    grid = (triton.cdiv(n_rows, block_rows), len(tensors))
+    _rope_kernel[grid](
+        q, k, v, q_out, k_out, v_out, cos, sin, n_q_rows, n_k_rows, seq_len, half, rows_per_position,
+        position_stride,
+        INVERSE=inverse, BLOCK_ROWS=block_rows, BLOCK_HALF=block_half,
+        num_warps=num_warps_for(2 * block_rows * block_half),
+    )
+
+
 def _launch_rope(q, k, cos, sin, q_out, k_out, inverse: bool):
     assert q.is_contiguous() and k.is_contiguous(), "the kernel addresses rows as row * head_dim"
     assert q.dim() == 4 and k.dim() == 4 and q.shape[-2:] == k.shape[-2:] and q.dtype == k.dtype, \
         "q and k must be [batch, heads, seq, head_dim] with the same seq, head_dim and dtype"
     seq_len, head_dim = q.shape[-2:]
     assert head_dim % 2 == 0
-    assert cos.shape == sin.shape and cos.shape[0] >= seq_len and cos.shape[1] == head_dim, \
-        f"cos/sin must be [>= {seq_len}, {head_dim}], got {tuple(cos.shape)}"
-    # The tables stay float32 whatever q's dtype: they are tiny, and angles near pi lose precision in bf16.
-    cos = cos.to(torch.float32).contiguous()
-    sin = sin.to(torch.float32).contiguous()
+    cos, sin = _float32_tables(cos, sin, seq_len, head_dim)
     q_out = torch.empty_like(q) if q_out is None else q_out
     k_out = torch.empty_like(k) if k_out is None else k_out
     assert q_out.shape == q.shape and k_out.shape == k.shape and q_out.is_contiguous() and k_out.is_contiguous()
-
-    half = head_dim // 2
-    n_q_rows, n_k_rows = q.numel() // head_dim, k.numel() // head_dim
-    n_rows = max(n_q_rows, n_k_rows)
-    if n_rows == 0:
-        return q_out, k_out
-    block_half = triton.next_power_of_2(half)
-    block_rows = max(1, min(_ELEMENTS_PER_PROGRAM // (2 * block_half), triton.next_power_of_2(n_rows)))
-    grid = (triton.cdiv(n_rows, block_rows), 2)
-    _rope_kernel[grid](
-        q, k, q_out, k_out, cos, sin, n_q_rows, n_k_rows, seq_len, half,
-        INVERSE=inverse, BLOCK_ROWS=block_rows, BLOCK_HALF=block_half,
-        num_warps=num_warps_for(2 * block_rows * block_half),
-    )
+    _launch((q, k), (q_out, k_out), cos, sin, q.numel() // head_dim, k.numel() // head_dim, seq_len, head_dim,
+            rows_per_position=1, position_stride=head_dim, inverse=inverse)
     return q_out, k_out
+
+
+def _launch_rope_packed(qkv, num_heads: int, cos, sin, out, inverse: bool):
+    assert qkv.dim() == 3 and qkv.is_contiguous(), "qkv must be a contiguous [batch, seq, 3 * dim] tensor"
+    batch, seq_len, width = qkv.shape
+    assert width % (3 * num_heads) == 0, f"width {width} is not 3 * num_heads ({num_heads}) * head_dim"
+    dim = width // 3
+    head_dim = dim // num_heads
+    assert head_dim % 2 == 0
+    cos, sin = _float32_tables(cos, sin, seq_len, head_dim)
+    out = torch.empty_like(qkv) if out is None else out
+    assert out.shape == qkv.shape and out.is_contiguous() and out.dtype == qkv.dtype
+    # q, k and v of a token are the column blocks [0, D), [D, 2D), [2D, 3D) of its row: views that start there.
+    n_rows = batch * seq_len * num_heads
+    _launch(qkv.split(dim, dim=-1), out.split(dim, dim=-1), cos, sin, n_rows, n_rows, seq_len, head_dim,
+            rows_per_position=num_heads, position_stride=width, inverse=inverse)
+    return out
 
 
 def rope_forward(q, k, cos, sin, q_out=None, k_out=None):
@@ -160,6 +219,17 @@ def rope_forward(q, k, cos, sin, q_out=None, k_out=None):
 def rope_backward(grad_q_rot, grad_k_rot, cos, sin, grad_q=None, grad_k=None):
     """Gradients of q and k from those of q_rot and k_rot (contiguous, same shapes): the inverse rotation."""
     return _launch_rope(grad_q_rot, grad_k_rot, cos, sin, grad_q, grad_k, inverse=True)
+
+
+def rope_packed_forward(qkv, num_heads: int, cos, sin, out=None):
+    """qkv [B, S, 3D] (a fused QKV projection's output, contiguous) -> [B, S, 3D] with the q and k column blocks
+    rotated and the v block copied: exactly the input flash_attention_packed reads. out may be passed in."""
+    return _launch_rope_packed(qkv, num_heads, cos, sin, out, inverse=False)
+
+
+def rope_packed_backward(grad_qkv_rot, num_heads: int, cos, sin, grad_qkv=None):
+    """The gradient of qkv from that of rope_packed_forward's output: q and k blocks rotated back, v copied."""
+    return _launch_rope_packed(grad_qkv_rot, num_heads, cos, sin, grad_qkv, inverse=True)
 
 
 # ------------------------------------------------------------------------------------------------ autograd
@@ -191,3 +261,28 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     cos, sin: [>= S, Dh] float32 (only the first S rows are used). Returns (q_rot, k_rot), contiguous.
     """
     return RoPEFunction.apply(q, k, cos, sin)
+
+
+class RoPEPackedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, num_heads, cos, sin):
+        qkv = qkv.contiguous()  # a projection's output already is: then this costs nothing
+        ctx.save_for_backward(cos, sin)
+        ctx.num_heads = num_heads
+        return rope_packed_forward(qkv, num_heads, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_qkv_rot):
+        cos, sin = ctx.saved_tensors
+        return rope_packed_backward(grad_qkv_rot.contiguous(), ctx.num_heads, cos, sin), None, None, None
+
+
+def apply_rope_packed(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the output of a fused QKV projection, in one launch and without any layout copies.
+
+    qkv: [B, S, 3D], per token the q heads, then the k heads, then the v heads (D = num_heads * Dh), as
+    flash_attention_packed reads it. Returns a new [B, S, 3D] tensor: q and k rotated, v copied alongside (so
+    the attention kernel finds all three in one tensor). The copy of v is the price of not rotating in place;
+    it is one extra read and write of v, inside the same launch.
+    """
+    return RoPEPackedFunction.apply(qkv, num_heads, cos, sin)

@@ -97,7 +97,7 @@ class Problem:
         self.lse = fa._run_forward(self.problem, self.q, self.k, self.v, self.out, self.cos, self.sin)
         self.grad_out = torch.randn_like(self.out)
         per_head = (self.out.float() * self.grad_out.float()).view(batch, seq_len, heads, head_dim).sum(-1)
-        self.delta = per_head.transpose(1, 2).reshape(batch * heads, seq_len).contiguous()
+        self.delta = per_head.transpose(1, 2).reshape(batch * heads, seq_len).contiguous()  # dq rewrites it (same values)
         self.grad_qkv = torch.empty_like(qkv)
         self.dq, self.dk, self.dv = self.grad_qkv.split(dim, dim=-1)
         self.fa = fa
@@ -116,7 +116,8 @@ class Problem:
                     self.sin)
             kernel_fn = fa._flash_attention_backward_dkdv_kernel
         else:
-            args = (self.q, self.k, self.v, self.grad_out, self.lse, self.delta, self.dq, self.cos, self.sin)
+            args = (self.q, self.k, self.v, self.out, self.grad_out, self.lse, self.delta, self.dq, self.cos,
+                    self.sin)
             kernel_fn = fa._flash_attention_backward_dq_kernel
         return lambda: kernel_fn[(blocks, bh)](*args, *p.scalar_args(), **flags)
 

@@ -15,11 +15,12 @@ q, k and v once per query block and writes only out plus one number per row, lse
 log-sum-exp), which the backward pass uses to rebuild the probabilities p = exp(score - lse) exactly.
 
 The backward pass (FlashAttention-2) recomputes the scores block by block instead of storing them:
-    delta_i = sum_d dO_id * O_id                     (a small preprocess kernel)
+    delta_i = sum_d dO_id * O_id                     (one product per row, no reduction over keys)
     p  = exp(q k^T * sm_scale - lse)                 dv = p^T dO
     dp = dO v^T          ds = p * (dp - delta)       dq = ds k * sm_scale      dk = ds^T q * sm_scale
-One kernel owns a block of keys and loops over the query blocks (it accumulates dk and dv); another owns a
-block of queries and loops over the key blocks (it accumulates dq). Each output element is written by
+One kernel owns a block of queries and loops over the key blocks (it accumulates dq, and writes delta for its
+rows first); it runs before the other, which owns a block of keys and loops over the query blocks (it
+accumulates dk and dv, reading delta). Each output element is written by
 exactly one program, so there are no atomics and the result is deterministic; the price is computing
 q k^T and dO v^T twice.
 
@@ -32,10 +33,10 @@ write q and k once more. The gradients come back with respect to the unrotated i
 orthogonal, so its transpose, x * cos - rotate_half(x) * sin, is applied to dq and dk before they are stored.
 
 Two entry points share the same kernels (they differ only in the strides they pass, see "Addressing"):
-    flash_attention(q, k, v)             q, k, v, out: [B, H, S, Dh]                      (version 3)
+    flash_attention(q, k, v)             q, k, v, out: [B, H, S, Dh]                      (the textbook layout)
     flash_attention_packed(qkv, H)       qkv: [B, S, 3*D] straight from a fused QKV projection, columns
                                          [q heads | k heads | v heads]; out: [B, S, D], D = H * Dh, the
-                                         layout the output projection reads                (version 4)
+                                         layout the output projection reads      (versions 3 and 4 use this)
 The packed one saves the transposes a model would otherwise copy around attention: [B, S, 3, H, Dh] ->
 [3, B, H, S, Dh] before it, [B, H, S, Dh] -> [B, S, H * Dh] after it, and both again in the backward pass.
 lse and delta: [B*H, S] float32 in both.
@@ -254,26 +255,6 @@ def _flash_attention_forward_kernel(
 # Backward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _flash_attention_backward_delta_kernel(
-    Out, dOut, Delta,
-    seq_len, num_heads, out_batch_stride, out_head_stride, out_row_stride,
-    HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-):
-    """delta = rowsum(dO * O) for BLOCK_ROWS rows of one (batch, head). Grid: (cdiv(S, BLOCK_ROWS), B * H).
-
-    delta_i = sum_j p_ij dp_ij is the term that the softmax backward subtracts; computing it from O and dO
-    is one cheap pass instead of a reduction over all keys inside the big kernels.
-    """
-    batch_head = tl.program_id(1)
-    out_start = _head_start(batch_head, num_heads, out_batch_stride, out_head_stride)
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    o = _load_rows(Out + out_start, rows, out_row_stride, seq_len, HEAD_DIM).to(tl.float32)
-    do = _load_rows(dOut + out_start, rows, out_row_stride, seq_len, HEAD_DIM).to(tl.float32)
-    Delta += batch_head.to(tl.int64) * seq_len
-    tl.store(Delta + rows, tl.sum(o * do, axis=1), mask=rows < seq_len)
-
-
-@triton.jit
 def _probabilities(q, k, lse, rows, cols, seq_len, sm_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     """Rebuild the attention probabilities p = exp(q k^T * sm_scale - lse) of a [rows, cols] tile.
@@ -386,14 +367,18 @@ def _dq_from_key_block(q, do, lse, delta, dq, K, V, Cos, Sin, rows, key_start, s
 
 @triton.jit
 def _flash_attention_backward_dq_kernel(
-    Q, K, V, dOut, Lse, Delta, dQ, Cos, Sin,
+    Q, K, V, Out, dOut, Lse, Delta, dQ, Cos, Sin,
     seq_len, num_heads, sm_scale,
     qkv_batch_stride, qkv_head_stride, qkv_row_stride, out_batch_stride, out_head_stride, out_row_stride,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program: dq for BLOCK_M queries of one (batch, head), looping over key blocks.
+    """One program: dq for BLOCK_M queries of one (batch, head), looping over key blocks. Runs BEFORE the
+    dk/dv kernel, and also writes delta = rowsum(dO * O) of its rows for it.
 
+    delta_i = sum_j p_ij dp_ij is the term the softmax backward subtracts. Computed from O and dO it is one
+    product per row instead of a reduction over all keys; this program has dO of its rows in registers
+    anyway, so it costs one extra read of O's rows, and no launch of its own.
     Grid: (cdiv(S, BLOCK_M), B * H).
     """
     block_m = tl.program_id(0)
@@ -403,15 +388,17 @@ def _flash_attention_backward_dq_kernel(
     K += qkv_start
     V += qkv_start
     dQ += qkv_start
-    dOut += _head_start(batch_head, num_heads, out_batch_stride, out_head_stride)
+    out_start = _head_start(batch_head, num_heads, out_batch_stride, out_head_stride)
     Lse += batch_head.to(tl.int64) * seq_len
     Delta += batch_head.to(tl.int64) * seq_len
 
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = _load_q_or_k(Q, qkv_row_stride, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, ROPE)
-    do = _load_rows(dOut, rows, out_row_stride, seq_len, HEAD_DIM)
+    do = _load_rows(dOut + out_start, rows, out_row_stride, seq_len, HEAD_DIM)
     lse = _load_lse(Lse, rows, seq_len)
-    delta = tl.load(Delta + rows, mask=rows < seq_len, other=0.0)
+    o = _load_rows(Out + out_start, rows, out_row_stride, seq_len, HEAD_DIM)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)   # rows past the end: 0 (loaded as zeros)
+    tl.store(Delta + rows, delta, mask=rows < seq_len)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     # The same key blocks as the forward pass, split the same way into unmasked and masked ones.
@@ -577,22 +564,17 @@ def _run_backward(problem: _Problem, q, k, v, out, lse, cos, sin, grad_out, dq, 
     batch_heads, seq_len = problem.batch * problem.heads, problem.seq_len
     rope = cos is not None
 
+    # The dq kernel runs first: it also writes delta = rowsum(dO * O), which the dk/dv kernel reads.
     delta = _new_buffer((batch_heads, seq_len), torch.float32, q.device)
-    block_rows = 16 if interpreter_active() else 64
-    _flash_attention_backward_delta_kernel[(triton.cdiv(seq_len, block_rows), batch_heads)](
-        out, grad_out, delta, seq_len, problem.heads, *problem.out_strides,
-        HEAD_DIM=problem.head_dim, BLOCK_ROWS=block_rows,
-    )
-
     common = dict(HEAD_DIM=problem.head_dim, CAUSAL=problem.causal, ROPE=rope, DOT_PRECISION=problem.precision)
     cos_arg, sin_arg = (cos, sin) if rope else (q, q)
+    config = _launch_config(problem.head_dim, q.dtype, seq_len, "dq")
+    _flash_attention_backward_dq_kernel[(triton.cdiv(seq_len, config["BLOCK_M"]), batch_heads)](
+        q, k, v, out, grad_out, lse, delta, dq, cos_arg, sin_arg, *problem.scalar_args(), **common, **config,
+    )
     config = _launch_config(problem.head_dim, q.dtype, seq_len, "dkdv")
     _flash_attention_backward_dkdv_kernel[(triton.cdiv(seq_len, config["BLOCK_N"]), batch_heads)](
         q, k, v, grad_out, lse, delta, dk, dv, cos_arg, sin_arg, *problem.scalar_args(), **common, **config,
-    )
-    config = _launch_config(problem.head_dim, q.dtype, seq_len, "dq")
-    _flash_attention_backward_dq_kernel[(triton.cdiv(seq_len, config["BLOCK_M"]), batch_heads)](
-        q, k, v, grad_out, lse, delta, dq, cos_arg, sin_arg, *problem.scalar_args(), **common, **config,
     )
 
 
@@ -600,8 +582,8 @@ def _run_backward(problem: _Problem, q, k, v, out, lse, cos, sin, grad_out, dq, 
 # Autograd
 # ----------------------------------------------------------------------------------------------------------
 class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd glue for q, k, v of [B, H, S, Dh]: forward launches one kernel, backward three (delta, dk/dv,
-    dq)."""
+    """Autograd glue for q, k, v of [B, H, S, Dh]: forward launches one kernel, backward two (dq, which also
+    writes delta, then dk/dv)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, sm_scale: float, cos, sin, precise_fp32: bool):

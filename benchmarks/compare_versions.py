@@ -5,6 +5,7 @@
     python benchmarks/compare_versions.py --sweep --num-steps 60   (batch {4,8,16,32} x seq {128,...,1024})
     python benchmarks/compare_versions.py --sweep --num-steps 60 --output sweep.json --resume
                                                                    (finish a sweep that was cut short)
+    python benchmarks/compare_versions.py --num-steps 200 --repeats 3   (each variant 3 times, interleaved)
 
 Why fresh processes: each variant runs its own training script in a new Python process, exactly as a workshop
 attendee runs it. Nothing leaks between variants (version 4's TF32 switch, torch.compile caches, the CUDA
@@ -15,6 +16,13 @@ reads the same batches (a function of seed and step), so their losses must agree
 point; the benchmark checks that before it reports any speed. Timing is the harness's: device events around
 each step, warm-up steps excluded, median of the rest. Kernels per step come from a short profiled window of
 the same run (those steps are excluded from the timing).
+
+Why --repeats: at the seed size the eager versions are host-bound, and a shared or virtualised host is not
+equally fast all the time: on an H100 node the same v1 run measured 17.0 ms per step one hour and 23.5 ms the
+next. Within one run the median absorbs such spells; between runs it cannot, so a slow spell during one variant
+skews the ratios. With --repeats N every variant runs N times, in rounds (v1, v2, ..., v4, then v1 again, ...),
+so a slow spell hits all variants alike, and each reported row is the variant's run with the median samples/s;
+all N throughputs are kept in the row (`repeats_samples_per_s`).
 """
 from __future__ import annotations
 
@@ -217,6 +225,8 @@ def parse_args(argv):
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help="skip the profiled window (no kernels/step column)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every variant this many times, in interleaved rounds; report the median run [1]")
     parser.add_argument("--timeout", type=int, default=900, help="seconds allowed per run")
     parser.add_argument("--output", help="write the results JSON here (rewritten after every run)")
     parser.add_argument("--resume", action="store_true",
@@ -229,6 +239,8 @@ def parse_args(argv):
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.warmup_steps >= args.num_steps:
         parser.error("--warmup-steps must be smaller than --num-steps")
     if args.resume and not args.output:
@@ -237,7 +249,7 @@ def parse_args(argv):
 
 
 # The settings a resumed run must share with the file it continues, or its rows would not be comparable.
-RESUME_KEYS = ("dtype", "num_steps", "warmup_steps")
+RESUME_KEYS = ("dtype", "num_steps", "warmup_steps", "repeats")
 
 
 def earlier_rows(args, parser_error) -> tuple[list, list]:
@@ -248,8 +260,9 @@ def earlier_rows(args, parser_error) -> tuple[list, list]:
         return [], []
     try:
         earlier = json.loads(path.read_text())
+        earlier.setdefault("repeats", 1)   # files written before --repeats existed
         mismatched = [k for k in RESUME_KEYS if earlier[k] != getattr(args, k)]
-        rows = [r for r in earlier["rows"] if "error" not in r]
+        rows = [r for r in earlier.get("runs", earlier["rows"]) if "error" not in r]
         commands = [earlier["command"], *earlier.get("resumed_by", [])]
     except (OSError, ValueError, KeyError, TypeError) as error:
         parser_error(f"--resume: cannot read {path} as compare_versions results ({error})")
@@ -264,39 +277,82 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+def median_runs(runs: list[dict]) -> list[dict]:
+    """One row per (variant, batch, seq): its run with the median samples/s, carrying every run's samples/s.
+
+    A failed run makes the row failed: a variant that fails one time in three is not measured."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["variant"], run["batch_size"], run["seq_len"]), []).append(run)
+    rows = []
+    for group in groups.values():
+        failed = [r for r in group if "error" in r]
+        if failed:
+            rows.append(failed[0])
+            continue
+        ordered = sorted(group, key=lambda r: r["samples_per_s"])
+        row = dict(ordered[(len(ordered) - 1) // 2])   # an odd count: the middle run; even: the slower middle
+        row.pop("repeat", None)
+        row["repeats_samples_per_s"] = [r["samples_per_s"] for r in sorted(group, key=lambda r: r["repeat"])]
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configs = ([(b, s) for s in SWEEP_SEQ_LENS for b in SWEEP_BATCHES] if args.sweep
                else [(args.batch_size, args.seq_len)])
     command = shlex.join(["python", "benchmarks/compare_versions.py", *(sys.argv[1:] if argv is None else argv)])
-    rows, commands = earlier_rows(args, fail) if args.resume else ([], [])
+    runs, commands = earlier_rows(args, fail) if args.resume else ([], [])
     results = {"command": commands[0] if commands else command, "environment": environment(),
-               "dtype": args.dtype, "num_steps": args.num_steps, "warmup_steps": args.warmup_steps, "rows": rows}
+               "dtype": args.dtype, "num_steps": args.num_steps, "warmup_steps": args.warmup_steps,
+               "repeats": args.repeats, "rows": runs}
     if commands:
         results["resumed_by"] = [*commands[1:], command]
-    done = {(r["variant"], r["batch_size"], r["seq_len"]) for r in rows}
-    todo = [(b, s, label) for b, s in configs for label in args.variants if (label, b, s) not in done]
-    total = len(rows) + len(todo)
+    done = {(r["variant"], r["batch_size"], r["seq_len"], r.get("repeat", 0)) for r in runs}
+    # Round by round: every variant once, then every variant again (see "Why --repeats").
+    todo = [(b, s, label, repeat) for b, s in configs for repeat in range(args.repeats) for label in args.variants
+            if (label, b, s, repeat) not in done]
+    total = len(runs) + len(todo)
     if done:
-        print(f"--resume: {len(rows)} run(s) kept from {args.output}, {len(todo)} to go", flush=True)
+        print(f"--resume: {len(runs)} run(s) kept from {args.output}, {len(todo)} to go", flush=True)
+
+    def keep(run_list):
+        """The results file: rows, plus every single run when there are repeats."""
+        if args.repeats > 1:
+            results["runs"] = run_list
+            results["rows"] = median_runs(run_list)
+        else:
+            results["rows"] = run_list
+
     try:
         with tempfile.TemporaryDirectory() as scratch:
-            for batch, seq, label in todo:
-                row = run_variant(label, args, batch, seq, Path(scratch))
-                status = row.get("error") or f"{row['samples_per_s']:,.0f} samples/s"
-                print(f"  {label:<11} b{batch:<3} s{seq:<5} {status}", flush=True)
-                rows.append(row)
-                save(results, args.output, note=f"partial: {len(rows)} of {total} runs")
+            for batch, seq, label, repeat in todo:
+                run = run_variant(label, args, batch, seq, Path(scratch))
+                run["repeat"] = repeat
+                status = run.get("error") or f"{run['samples_per_s']:,.0f} samples/s"
+                round_text = f" (round {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
+                print(f"  {label:<11} b{batch:<3} s{seq:<5} {status}{round_text}", flush=True)
+                runs.append(run)
+                keep(runs)
+                save(results, args.output, note=f"partial: {len(runs)} of {total} runs")
     except KeyboardInterrupt:
-        where = f"; the {len(rows)} finished run(s) are in {args.output} (add --resume to finish)" if args.output else ""
-        print(f"\ninterrupted after {len(rows)} of {total} runs{where}", file=sys.stderr)
+        where = f"; the {len(runs)} finished run(s) are in {args.output} (add --resume to finish)" if args.output else ""
+        print(f"\ninterrupted after {len(runs)} of {total} runs{where}", file=sys.stderr)
         return 130
+    keep(runs)
+    rows = results["rows"] if args.repeats > 1 else [dict(r) for r in runs]
+    for row in rows:
+        row.pop("repeat", None)
     order = {key: i for i, key in enumerate((b, s, label) for b, s in configs for label in args.variants)}
     rows.sort(key=lambda r: order.get((r["batch_size"], r["seq_len"], r["variant"]), len(order)))
+    results["rows"] = rows
     add_speedups(rows)
     problems = check_agreement(rows, args.dtype)
     print()
     print(table(rows))
+    if args.repeats > 1:
+        print(f"each row: the median of {args.repeats} runs (samples/s of every run in the JSON)")
     print("loss agreement with v1: " + ("ok" if not problems else "PROBLEMS"))
     for problem in problems:
         print(f"  {problem}")

@@ -68,3 +68,38 @@ def test_resume_refuses_a_file_measured_differently(tmp_path):
     result = compare("--variants", "v1", "--output", str(out), "--resume", *TINY_MODEL)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "dtype (bfloat16 there, float32 here)" in result.stderr
+
+
+def test_repeats_run_in_rounds_and_report_the_median_run(tmp_path):
+    out = tmp_path / "r.json"
+    result = compare("--variants", "v1,v2", "--repeats", "2", "--output", str(out), *TINY_MODEL)
+    assert result.returncode == 0, result.stdout + result.stderr
+    results = json.loads(out.read_text())
+    # Interleaved: round 1 runs v1 then v2, round 2 again.
+    assert [(r["variant"], r["repeat"]) for r in results["runs"]] == [("v1", 0), ("v2", 0), ("v1", 1), ("v2", 1)]
+    assert [r["variant"] for r in results["rows"]] == ["v1", "v2"]
+    for row in results["rows"]:
+        runs = [r for r in results["runs"] if r["variant"] == row["variant"]]
+        assert row["repeats_samples_per_s"] == [r["samples_per_s"] for r in runs]
+        assert row["samples_per_s"] == min(r["samples_per_s"] for r in runs)   # two runs: the slower middle
+    assert "the median of 2 runs" in result.stdout
+
+
+def test_median_run_of_three_and_a_failed_repeat():
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from compare_versions import median_runs
+    def run(variant, repeat, speed=None, error=None):
+        row = {"variant": variant, "batch_size": 8, "seq_len": 128, "repeat": repeat}
+        row.update({"error": error} if error else {"samples_per_s": speed, "median_step_ms": 1000 / speed})
+        return row
+    rows = median_runs([run("v1", 0, 300.0), run("v3", 0, 500.0), run("v1", 1, 100.0), run("v3", 1, error="boom"),
+                        run("v1", 2, 200.0), run("v3", 2, 450.0)])
+    v1, v3 = rows
+    assert v1["samples_per_s"] == 200.0 and v1["median_step_ms"] == 5.0   # the whole median run, consistent
+    assert v1["repeats_samples_per_s"] == [300.0, 100.0, 200.0] and "repeat" not in v1
+    assert v3["error"] == "boom"   # one failure in three: the variant is not measured
+
+
+def test_repeats_must_be_positive():
+    result = compare("--repeats", "0", *TINY_MODEL)
+    assert result.returncode == 2 and "--repeats must be at least 1" in result.stderr

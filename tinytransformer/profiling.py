@@ -22,6 +22,10 @@ _NVTX = os.environ.get("TT_NVTX") == "1" and torch.cuda.is_available()
 
 
 def _pytorch_profiler_recording() -> bool:
+    # torch.compile cannot trace the profiler query, and would give up on the whole function; inside compiled
+    # code it ignores record_function anyway, so there the answer is simply no.
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._autograd._profiler_enabled()
 
 

@@ -103,3 +103,19 @@ def test_median_run_of_three_and_a_failed_repeat():
 def test_repeats_must_be_positive():
     result = compare("--repeats", "0", *TINY_MODEL)
     assert result.returncode == 2 and "--repeats must be at least 1" in result.stderr
+
+
+def test_appendix_efficiency_table_is_the_committed_step_time_as_flop_rate():
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import make_readme_table
+    from tinytransformer import flops
+    from tinytransformer.config import ModelConfig
+
+    block = make_readme_table.efficiency_block()
+    float32 = json.loads((REPO_ROOT / "benchmarks" / "results" / "h100_seed_float32.json").read_text())
+    v4 = next(r for r in float32["rows"] if r["variant"] == "v4")
+    tflops = flops.training_flops(ModelConfig(), 8, 128) / (v4["median_step_ms"] * 1e-3) / 1e12
+    row = next(line for line in block.splitlines() if line.startswith("| v4 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == f"{v4['median_step_ms']:.2f}" and cells[2] == f"{tflops:.2f}"
+    assert cells[3] == f"{100 * v4['mfu']:.2f}%"

@@ -288,12 +288,14 @@ def median_runs(runs: list[dict]) -> list[dict]:
     for group in groups.values():
         failed = [r for r in group if "error" in r]
         if failed:
-            rows.append(failed[0])
+            row = dict(failed[0])   # a copy: the run itself stays as it was in the list of runs
+            row.pop("repeat", None)
+            rows.append(row)
             continue
         ordered = sorted(group, key=lambda r: r["samples_per_s"])
         row = dict(ordered[(len(ordered) - 1) // 2])   # an odd count: the middle run; even: the slower middle
         row.pop("repeat", None)
-        row["repeats_samples_per_s"] = [r["samples_per_s"] for r in sorted(group, key=lambda r: r["repeat"])]
+        row["repeats_samples_per_s"] = [r["samples_per_s"] for r in sorted(group, key=lambda r: r.get("repeat", 0))]
         rows.append(row)
     return rows
 

@@ -39,14 +39,19 @@ VERSION_READMES = {
 }
 
 
+def repeats_text(results: dict) -> str:
+    repeats = results.get("repeats", 1)
+    return f", the median run of {repeats}" if repeats > 1 else ""
+
+
 def render(results: dict, name: str) -> str:
     env = results["environment"]
     rows = results["rows"]
     first = rows[0]
     lines = [f"**{env.get('gpu', 'CPU')}** ({env.get('backend', 'CPU')}, torch {env['torch']}, "
              f"triton {env.get('triton')}), batch {first['batch_size']}, seq {first['seq_len']}, "
-             f"{results['dtype']}, median of {results['num_steps'] - results['warmup_steps']} steps "
-             f"(`benchmarks/results/{name}`):", "",
+             f"{results['dtype']}, median of {results['num_steps'] - results['warmup_steps']} steps"
+             f"{repeats_text(results)} (`benchmarks/results/{name}`):", "",
              "| version | samples/s | step (ms) | vs v1 | peak memory (MiB) | kernels/step | final loss |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -125,7 +130,8 @@ def seed_block(version: str) -> str:
 
 def efficiency_block() -> str:
     """Appendix E.1's table: per variant and dtype, the median step time, the FLOP rate it implies, and the MFU the
-    trainer reported (against the float32 peak for float32 runs, the bfloat16 peak under autocast)."""
+    trainer reported (against the peak of the precision its matrix products used: tf32 for a float32 run with TF32
+    on, as version 4's, float32 for the other float32 runs, bfloat16 under autocast)."""
     found = seed_results()
     if not found:
         return f"{EFFICIENCY_START}\nNo committed seed results yet.\n{EFFICIENCY_END}"

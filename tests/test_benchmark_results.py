@@ -92,12 +92,14 @@ def test_median_run_of_three_and_a_failed_repeat():
         row = {"variant": variant, "batch_size": 8, "seq_len": 128, "repeat": repeat}
         row.update({"error": error} if error else {"samples_per_s": speed, "median_step_ms": 1000 / speed})
         return row
-    rows = median_runs([run("v1", 0, 300.0), run("v3", 0, 500.0), run("v1", 1, 100.0), run("v3", 1, error="boom"),
-                        run("v1", 2, 200.0), run("v3", 2, 450.0)])
+    runs = [run("v1", 0, 300.0), run("v3", 0, 500.0), run("v1", 1, 100.0), run("v3", 1, error="boom"),
+            run("v1", 2, 200.0), run("v3", 2, 450.0)]
+    rows = median_runs(runs)
     v1, v3 = rows
     assert v1["samples_per_s"] == 200.0 and v1["median_step_ms"] == 5.0   # the whole median run, consistent
     assert v1["repeats_samples_per_s"] == [300.0, 100.0, 200.0] and "repeat" not in v1
-    assert v3["error"] == "boom"   # one failure in three: the variant is not measured
+    assert v3["error"] == "boom" and "repeat" not in v3   # one failure in three: the variant is not measured
+    assert all("repeat" in r for r in runs), "the list of runs must stay as it was"
 
 
 def test_repeats_must_be_positive():

@@ -79,6 +79,8 @@ ROPE = kb.OpBench(
     name="rope",
     make_inputs=rope_inputs,
     # q and k are contiguous here, so the wrapper's .contiguous() copies nothing and the kernel alone is timed.
+    # The model calls the same kernel through apply_rope_packed on the fused [B, S, 3D] projection output,
+    # where it also copies v alongside (1.5x these bytes); [B, H, S, Dh] here compares like with like.
     triton=apply_rope,
     pytorch={"torch (v1 apply_rope)": torch_rope},
     output_names=("q_rot", "k_rot"), input_names=("q", "k"),
@@ -138,6 +140,7 @@ FLASH_ATTENTION = kb.OpBench(
     name="flash_attention",
     make_inputs=lambda s, device: kb.InputSet([kb.random_tensor((s.B, s.H, s.S, s.Dh), s.dtype, device)
                                                for _ in range(3)]),
+    # The model calls the same kernels through flash_attention_packed (other strides, same work).
     triton=lambda q, k, v: flash_attention(q, k, v, causal=True),
     pytorch={"v1 matmul-softmax-matmul": explicit_attention,
              "F.sdpa (is_causal)": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)},

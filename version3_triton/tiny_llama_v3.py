@@ -17,7 +17,6 @@ test them.
 Run:   python tiny_llama_v3.py
        python run_triton_profiling.py          (each kernel against its PyTorch equivalent)
 """
-import math
 import sys
 from pathlib import Path
 
@@ -63,7 +62,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         d = config.hidden_dim
-        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.num_heads = config.num_heads
         self.qkv_proj = nn.Linear(d, 3 * d, bias=False)   # rows: [q; k; v]
         self.o_proj = nn.Linear(d, d, bias=False)
 

@@ -56,7 +56,7 @@ def _rotate_rows(
     and its position in the sequence is (r // rows_per_position) % seq_len.
       [B, H, S, Dh] contiguous:   rows_per_position = 1, position_stride = Dh   (row r starts at r * Dh)
       packed q (or k) of [B, S, 3D]: rows_per_position = H, position_stride = 3D (the H heads of a token are
-                                     adjacent, so a block of rows is still one contiguous stretch of memory)
+                                     adjacent: a block of rows is a few runs of D elements, 3D apart)
     """
     rows = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_HALF)
@@ -108,7 +108,8 @@ def _rope_kernel(
     the copy of v) share one launch.
 
     Used for the forward pass (INVERSE=False: rotate q and k) and the backward pass (INVERSE=True: the
-    pointers are then the gradients of q_rot and k_rot, and the outputs the gradients of q and k).
+    pointers are then the gradients of q_rot and k_rot, and the outputs the gradients of q and k; in the packed
+    layout v's gradient is copied through, as v itself was).
     k may have fewer heads than q (grouped-query attention): its surplus row blocks are simply masked off.
     """
     row_block = tl.program_id(0)
@@ -119,7 +120,7 @@ def _rope_kernel(
     elif tensor == 1:
         _rotate_rows(k_ptr, k_out_ptr, cos_ptr, sin_ptr, row_block, n_k_rows, seq_len, half,
                      rows_per_position, position_stride, INVERSE, False, BLOCK_ROWS, BLOCK_HALF)
-    else:
+    else:  # v: as many rows as k
         _rotate_rows(v_ptr, v_out_ptr, cos_ptr, sin_ptr, row_block, n_k_rows, seq_len, half,
                      rows_per_position, position_stride, INVERSE, True, BLOCK_ROWS, BLOCK_HALF)
 
@@ -238,10 +239,9 @@ def rope_packed_backward(grad_qkv_rot, num_heads: int, cos, sin, grad_qkv=None):
 class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
-        # In the model q and k are views of the fused qkv projection, permuted to [B, H, S, Dh], so their rows
-        # are not adjacent in memory. The kernel assumes the plain contiguous layout (row r at r * Dh), which
-        # keeps its index arithmetic to one line; the price is one copy here. Passing the four strides to the
-        # kernel instead would remove that copy.
+        # The textbook layout: contiguous [B, H, S, Dh] (row r at r * Dh). Views such as q and k permuted out of a
+        # fused qkv projection are copied here first; version 3's model avoids those copies by calling
+        # apply_rope_packed on the projection's output instead.
         q, k = q.contiguous(), k.contiguous()
         q_rot, k_rot = rope_forward(q, k, cos, sin)
         ctx.save_for_backward(cos, sin)

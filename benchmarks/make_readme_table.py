@@ -99,20 +99,24 @@ def seed_results() -> dict:
     return found
 
 
-def seed_block(version: str) -> str:
+def rows_by_variant(found: dict) -> tuple[list[str], dict, list[str]]:
+    """(dtypes, {dtype: {variant: row}}, variants in first-seen order) of the seed results."""
+    dtypes = list(found)
+    rows = {d: {r["variant"]: r for r in found[d][1]["rows"]} for d in dtypes}
+    return dtypes, rows, list(dict.fromkeys(v for d in dtypes for v in rows[d]))
+
+
+def seed_block(version: str, found: dict) -> str:
     """Both seed runs in one table, one row per variant; the rows of `version` (e.g. v2 and v2+compile) bold."""
-    found = seed_results()
     if not found:
         return f"{SEED_START}\nNo committed seed results yet.\n{SEED_END}"
     env = next(iter(found.values()))[1]["environment"]
-    dtypes = list(found)
+    dtypes, rows, variants = rows_by_variant(found)
     header = "| variant | " + " | ".join(f"{d} samples/s | {d} step (ms) | {d} vs v1 | {d} kernels/step"
                                          for d in dtypes) + " |"
     lines = [f"**{env.get('gpu', 'CPU')}** ({env.get('backend', 'CPU')}, torch {env['torch']}, triton "
              f"{env.get('triton')}), seed configuration (batch 8, sequence 128), median of the timed steps:", "",
              header, "|---|" + "---:|" * (4 * len(dtypes))]
-    rows = {d: {r["variant"]: r for r in found[d][1]["rows"]} for d in dtypes}
-    variants = list(dict.fromkeys(v for d in dtypes for v in rows[d]))
     for variant in variants:
         cells = []
         for d in dtypes:
@@ -128,18 +132,16 @@ def seed_block(version: str) -> str:
     return f"{SEED_START}\n" + "\n".join(lines) + f"\n{SEED_END}"
 
 
-def efficiency_block() -> str:
+def efficiency_block(found: dict) -> str:
     """Appendix E.1's table: per variant and dtype, the median step time, the FLOP rate it implies, and the MFU the
     trainer reported (against the peak of the precision its matrix products used: tf32 for a float32 run with TF32
     on, as version 4's, float32 for the other float32 runs, bfloat16 under autocast)."""
-    found = seed_results()
     if not found:
         return f"{EFFICIENCY_START}\nNo committed seed results yet.\n{EFFICIENCY_END}"
-    dtypes = list(found)
+    dtypes, rows, variants = rows_by_variant(found)
     header = "| variant | " + " | ".join(f"{d} step (ms) | {d} TFLOP/s | {d} MFU" for d in dtypes) + " |"
     lines = [header, "|---|" + "---:|" * (3 * len(dtypes))]
-    rows = {d: {r["variant"]: r for r in found[d][1]["rows"]} for d in dtypes}
-    for variant in dict.fromkeys(v for d in dtypes for v in rows[d]):
+    for variant in variants:
         cells = []
         for d in dtypes:
             r = rows[d].get(variant, {})
@@ -165,17 +167,18 @@ def updated_readme(text: str) -> str:
 
 
 def wanted_texts() -> dict:
-    """path -> (current text, text with freshly generated tables), for every README with generated tables."""
-    texts = {README: (README.read_text(), None)}
-    texts[README] = (texts[README][0], updated_readme(texts[README][0]))
+    """path -> (current text, text with freshly generated tables), for every file with generated tables."""
+    found = seed_results()
+    current = README.read_text()
+    texts = {README: (current, updated_readme(current))}
     for version, path in VERSION_READMES.items():
         current = path.read_text()
         if SEED_START in current:
-            texts[path] = (current, replace_between(current, SEED_START, SEED_END, seed_block(version),
+            texts[path] = (current, replace_between(current, SEED_START, SEED_END, seed_block(version, found),
                                                     str(path.relative_to(REPO_ROOT))))
     current = APPENDICES.read_text()
-    texts[APPENDICES] = (current, replace_between(current, EFFICIENCY_START, EFFICIENCY_END, efficiency_block(),
-                                                  "TECHNICAL_APPENDICES.md"))
+    texts[APPENDICES] = (current, replace_between(current, EFFICIENCY_START, EFFICIENCY_END,
+                                                  efficiency_block(found), "TECHNICAL_APPENDICES.md"))
     return texts
 
 
@@ -183,7 +186,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only check that the READMEs are up to date")
     args = parser.parse_args(argv)
-    stale = [path for path, (current, wanted) in wanted_texts().items() if current != wanted]
+    stale = {path: wanted for path, (current, wanted) in wanted_texts().items() if current != wanted}
     names = ", ".join(str(p.relative_to(REPO_ROOT)) for p in stale)
     if args.check:
         if stale:
@@ -191,9 +194,8 @@ def main(argv=None) -> int:
             return 1
         print("every generated table matches benchmarks/results/")
         return 0
-    for path, (current, wanted) in wanted_texts().items():
-        if current != wanted:
-            path.write_text(wanted)
+    for path, wanted in stale.items():
+        path.write_text(wanted)
     print(f"updated: {names}" if stale else "every generated table was already up to date")
     return 0
 

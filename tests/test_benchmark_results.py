@@ -113,7 +113,7 @@ def test_appendix_efficiency_table_is_the_committed_step_time_as_flop_rate():
     from tinytransformer import flops
     from tinytransformer.config import ModelConfig
 
-    block = make_readme_table.efficiency_block()
+    block = make_readme_table.efficiency_block(make_readme_table.seed_results())
     float32 = json.loads((REPO_ROOT / "benchmarks" / "results" / "h100_seed_float32.json").read_text())
     v4 = next(r for r in float32["rows"] if r["variant"] == "v4")
     tflops = flops.training_flops(ModelConfig(), 8, 128) / (v4["median_step_ms"] * 1e-3) / 1e12

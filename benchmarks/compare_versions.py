@@ -300,6 +300,14 @@ def median_runs(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def rows_of(runs: list[dict], repeats: int) -> list[dict]:
+    """The reported rows: with repeats, each variant's median run (median_runs); without, the runs themselves
+    (copies without the round number)."""
+    if repeats > 1:
+        return median_runs(runs)
+    return [{k: v for k, v in run.items() if k != "repeat"} for run in runs]
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configs = ([(b, s) for s in SWEEP_SEQ_LENS for b in SWEEP_BATCHES] if args.sweep
@@ -308,7 +316,9 @@ def main(argv=None) -> int:
     runs, commands = earlier_rows(args, fail) if args.resume else ([], [])
     results = {"command": commands[0] if commands else command, "environment": environment(),
                "dtype": args.dtype, "num_steps": args.num_steps, "warmup_steps": args.warmup_steps,
-               "repeats": args.repeats, "rows": runs}
+               "repeats": args.repeats, "rows": rows_of(runs, args.repeats)}
+    if args.repeats > 1:
+        results["runs"] = runs   # every single run (the list grows below), beside the median rows
     if commands:
         results["resumed_by"] = [*commands[1:], command]
     done = {(r["variant"], r["batch_size"], r["seq_len"], r.get("repeat", 0)) for r in runs}
@@ -319,14 +329,6 @@ def main(argv=None) -> int:
     if done:
         print(f"--resume: {len(runs)} run(s) kept from {args.output}, {len(todo)} to go", flush=True)
 
-    def keep(run_list):
-        """The results file: rows, plus every single run when there are repeats."""
-        if args.repeats > 1:
-            results["runs"] = run_list
-            results["rows"] = median_runs(run_list)
-        else:
-            results["rows"] = run_list
-
     try:
         with tempfile.TemporaryDirectory() as scratch:
             for batch, seq, label, repeat in todo:
@@ -336,16 +338,13 @@ def main(argv=None) -> int:
                 round_text = f" (round {repeat + 1} of {args.repeats})" if args.repeats > 1 else ""
                 print(f"  {label:<11} b{batch:<3} s{seq:<5} {status}{round_text}", flush=True)
                 runs.append(run)
-                keep(runs)
+                results["rows"] = rows_of(runs, args.repeats)
                 save(results, args.output, note=f"partial: {len(runs)} of {total} runs")
     except KeyboardInterrupt:
         where = f"; the {len(runs)} finished run(s) are in {args.output} (add --resume to finish)" if args.output else ""
         print(f"\ninterrupted after {len(runs)} of {total} runs{where}", file=sys.stderr)
         return 130
-    keep(runs)
-    rows = results["rows"] if args.repeats > 1 else [dict(r) for r in runs]
-    for row in rows:
-        row.pop("repeat", None)
+    rows = rows_of(runs, args.repeats)
     order = {key: i for i, key in enumerate((b, s, label) for b, s in configs for label in args.variants)}
     rows.sort(key=lambda r: order.get((r["batch_size"], r["seq_len"], r["variant"]), len(order)))
     results["rows"] = rows

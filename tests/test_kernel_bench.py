@@ -93,6 +93,23 @@ def test_a_wrong_kernel_fails_the_check_with_exit_1(wrong, tmp_path, capsys):
     assert (y_row["triton_error"] is None) == (wrong == "nan")
 
 
+def test_the_check_runs_torch_matmuls_in_float32_whatever_the_process_chose(monkeypatch, tmp_path, capsys):
+    """A process that turned TF32 on (version 4 does, for its run) must not fail float32 checks whose PyTorch
+    code multiplies matrices; the setting is restored afterwards."""
+    seen = []
+
+    def recording(x, weight):
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return kb.torch_rms_norm(x, weight, v3.EPS)
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    ops = [dataclasses.replace(v3.RMSNORM, triton=recording)]
+    code = kb.main(ops, prog="bench", description="", argv=["--check", "--output-json", str(tmp_path / "o.json"),
+                                                              *TINY])
+    assert code == 0 and seen and not any(seen)
+    assert torch.backends.cuda.matmul.allow_tf32
+
+
 def test_relative_error_never_passes_nan_or_a_wrong_shape():
     ref = torch.randn(5, 3)
     assert kb.relative_error(ref.clone(), ref) == 0.0

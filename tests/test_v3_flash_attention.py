@@ -312,8 +312,9 @@ def test_packed_equals_unpacked(causal, use_rope, device):
 
 
 def test_packed_allocates_poisoned_outputs(monkeypatch, device):
-    """out, lse, delta and the ONE gradient buffer of qkv all come from _new_buffer, i.e. start as NaN under
-    the autouse fixture; finite results therefore mean every element was written."""
+    """out, lse, the rotated [q | k | v] the forward saves for the backward, delta and the ONE gradient buffer of
+    qkv all come from _new_buffer, i.e. start as NaN under the autouse fixture; finite results therefore mean
+    every element was written (the backward reads every element of the rotated buffer)."""
     allocated = []
     original = fa._new_buffer
 
@@ -330,6 +331,7 @@ def test_packed_allocates_poisoned_outputs(monkeypatch, device):
     out = fa.flash_attention_packed(qkv, heads, rope=rope_tables(seq_len, head_dim, device=device))
     out.backward(torch.randn_like(out))
     assert sorted(allocated) == sorted([(batch, seq_len, dim), (batch * heads, seq_len),      # out, lse
+                                        (batch, seq_len, 3 * dim),                              # rotated qkv
                                         (batch * heads, seq_len), (batch, seq_len, 3 * dim)])  # delta, d(qkv)
     assert torch.isfinite(out).all() and torch.isfinite(qkv.grad).all()
 

@@ -53,6 +53,7 @@ Triton's CPU interpreter at a small size (the scripts enable the interpreter bef
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -263,6 +264,22 @@ def run_with_grads(fn, inputs: InputSet):
         inputs.grad_outputs = [torch.randn_like(o) for o in outputs]
     grads = torch.autograd.grad(outputs, inputs.differentiable, inputs.grad_outputs)
     return [o.detach() for o in outputs], list(grads)
+
+
+@contextlib.contextmanager
+def float32_torch_matmuls():
+    """torch's float32 matmuls in full float32 for a while, then the setting as it was.
+
+    The check holds float32 results to float32 tolerances, and its PyTorch implementations (and Triton ops that
+    call torch matmuls, such as the chunked output head) would otherwise follow a process-wide TF32 switch that
+    someone else turned on (version 4's --tf32 does, for its own run).
+    """
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def check_op(op: OpBench, shape: BenchShape, device: torch.device) -> list[dict]:
@@ -555,8 +572,9 @@ def run_checks(ops: list[OpBench], shape: BenchShape, device: torch.device, repo
     """Print the correctness table; record its rows in the report. Returns True when every check passed."""
     print(f"Correctness on {report['device']['name']}, {shape.describe()}: relative error "
           "||out - ref|| / ||ref||, ref = the PyTorch code in float64 on the same inputs")
-    for op in ops:
-        report["checks"] += check_op(op, shape, device)
+    with float32_torch_matmuls():
+        for op in ops:
+            report["checks"] += check_op(op, shape, device)
     print(format_check_table(report["checks"]))
     passed = all(row.get("ok", True) for row in report["checks"])
     skipped = sum("skipped" in row for row in report["checks"])

@@ -5,6 +5,7 @@ the CPU (slowly, but with the same semantics), which is how laptops and CI test 
 chosen by the environment variable TRITON_INTERPRET=1, read when `triton` is first imported, so
 `enable_interpreter_if_no_gpu()` must run before any `import triton`.
 """
+import functools
 import os
 import sys
 
@@ -49,3 +50,17 @@ def num_warps_for(block_elements: int, max_warps: int = 16) -> int:
     # Powers of two only: Triton requires it.
     warps = 1 << (warps.bit_length() - 1)
     return min(warps, max_warps)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors (NVIDIA) or compute units (AMD) of a GPU: both are reported under this name.
+
+    Cached: asking the driver for the device properties costs microseconds of host time, and kernels that size
+    their grid by it are launched many times per training step."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _multiprocessor_count_of(index)

@@ -94,7 +94,11 @@ class Problem:
                                    out_strides=(seq_len * dim, head_dim, dim), causal=True,
                                    sm_scale=1.0 / math.sqrt(head_dim), precision=fa._dot_precision(dtype, False))
         self.out = torch.empty(batch, seq_len, dim, device=device, dtype=dtype)
-        self.lse = fa._run_forward(self.problem, self.q, self.k, self.v, self.out, self.cos, self.sin)
+        # The forward also writes [rotated q | rotated k | v] for the backward, which reads only those.
+        self.qkv_rotated = torch.empty_like(qkv)
+        self.rotated = self.qkv_rotated.split(dim, dim=-1)
+        self.lse = fa._run_forward(self.problem, self.q, self.k, self.v, self.out, self.cos, self.sin,
+                                   rotated=self.rotated)
         self.grad_out = torch.randn_like(self.out)
         per_head = (self.out.float() * self.grad_out.float()).view(batch, seq_len, heads, head_dim).sum(-1)
         self.delta = per_head.transpose(1, 2).reshape(batch * heads, seq_len).contiguous()  # dq rewrites it (same values)
@@ -108,15 +112,17 @@ class Problem:
         fa, p, bh = self.fa, self.problem, self.problem.batch * self.problem.heads
         flags = dict(HEAD_DIM=p.head_dim, CAUSAL=True, ROPE=True, DOT_PRECISION=p.precision, **config)
         blocks = triton.cdiv(p.seq_len, config["BLOCK_N" if kernel == "dkdv" else "BLOCK_M"])
+        q_rot, k_rot, v_copy = self.rotated
         if kernel == "forward":
-            args = (self.q, self.k, self.v, self.out, self.lse, self.cos, self.sin)
+            args = (self.q, self.k, self.v, self.out, self.lse, self.cos, self.sin, q_rot, k_rot, v_copy)
+            flags["COPY_V"] = True
             kernel_fn = fa._flash_attention_forward_kernel
         elif kernel == "dkdv":
-            args = (self.q, self.k, self.v, self.grad_out, self.lse, self.delta, self.dk, self.dv, self.cos,
+            args = (q_rot, k_rot, v_copy, self.grad_out, self.lse, self.delta, self.dk, self.dv, self.cos,
                     self.sin)
             kernel_fn = fa._flash_attention_backward_dkdv_kernel
         else:
-            args = (self.q, self.k, self.v, self.out, self.grad_out, self.lse, self.delta, self.dq, self.cos,
+            args = (q_rot, k_rot, v_copy, self.out, self.grad_out, self.lse, self.delta, self.dq, self.cos,
                     self.sin)
             kernel_fn = fa._flash_attention_backward_dq_kernel
         return lambda: kernel_fn[(blocks, bh)](*args, *p.scalar_args(), **flags)

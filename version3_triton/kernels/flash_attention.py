@@ -29,8 +29,13 @@ before attention. With `rope=(cos, sin)` the kernels receive UNrotated q and k a
 loaded, in the rotate-half convention
     rot(x) = x * cos + rotate_half(x) * sin,     rotate_half(x) = cat(-x[..., Dh/2:], x[..., :Dh/2]),
 with cos and sin of shape [S, Dh] and equal on both halves. That saves a separate pass that would read and
-write q and k once more. The gradients come back with respect to the unrotated inputs: the rotation is
-orthogonal, so its transpose, x * cos - rotate_half(x) * sin, is applied to dq and dk before they are stored.
+write q and k once more. The forward kernel rotates every key block again for each query block that visits
+it; so that the backward pass does not rotate everything a second and third time, each forward program also
+writes the rotated q and k rows of its own positions (and, in the packed layout, a copy of the v rows) into a
+buffer laid out like the input, which is what the forward saves for the backward: the backward kernels then
+read q and k as they are. The gradients come back with respect to the unrotated inputs: the rotation is
+orthogonal, so its transpose, x * cos - rotate_half(x) * sin, is applied to dq and dk once before they are
+stored.
 
 Two entry points share the same kernels (they differ only in the strides they pass, see "Addressing"):
     flash_attention(q, k, v)             q, k, v, out: [B, H, S, Dh]                      (the textbook layout)
@@ -211,13 +216,16 @@ def _attend_to_key_block(q, m, l, acc, K, V, Cos, Sin, rows, key_start, seq_len,
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _flash_attention_forward_kernel(
-    Q, K, V, Out, Lse, Cos, Sin,
+    Q, K, V, Out, Lse, Cos, Sin, QRot, KRot, VCopy,
     seq_len, num_heads, sm_scale,
     qkv_batch_stride, qkv_head_stride, qkv_row_stride, out_batch_stride, out_head_stride, out_row_stride,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, ROPE: tl.constexpr, COPY_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one (batch, head). Grid: (cdiv(S, BLOCK_M), B * H)."""
+    """One program: BLOCK_M query rows of one (batch, head). Grid: (cdiv(S, BLOCK_M), B * H).
+
+    With ROPE it also writes, for the backward pass, the rotated q and k rows of its positions into QRot and
+    KRot and, with COPY_V, the v rows into VCopy (all three laid out like q, k, v)."""
     block_m = tl.program_id(0)
     batch_head = tl.program_id(1)
     qkv_start = _head_start(batch_head, num_heads, qkv_batch_stride, qkv_head_stride)
@@ -229,6 +237,13 @@ def _flash_attention_forward_kernel(
 
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = _load_q_or_k(Q, qkv_row_stride, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, ROPE)
+    if ROPE:  # keep what this program rotates once for the backward, which then needs no RoPE in its loops
+        _store_rows(QRot + qkv_start, rows, qkv_row_stride, seq_len, q, HEAD_DIM)
+        k_rows = _load_q_or_k(K, qkv_row_stride, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, ROPE)
+        _store_rows(KRot + qkv_start, rows, qkv_row_stride, seq_len, k_rows, HEAD_DIM)
+        if COPY_V:
+            v_rows = _load_rows(V, rows, qkv_row_stride, seq_len, HEAD_DIM)
+            _store_rows(VCopy + qkv_start, rows, qkv_row_stride, seq_len, v_rows, HEAD_DIM)
 
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -275,13 +290,12 @@ def _load_lse(Lse, rows, seq_len):
 
 
 @triton.jit
-def _dkdv_from_query_block(k, v, dk, dv, Q, dOut, Lse, Delta, Cos, Sin, cols, row_start, seq_len, sm_scale,
+def _dkdv_from_query_block(k, v, dk, dv, Q, dOut, Lse, Delta, cols, row_start, seq_len, sm_scale,
                            qkv_row_stride, out_row_stride, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                           MASKED: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr,
-                           DOT_PRECISION: tl.constexpr):
+                           MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add the contribution of the queries [row_start, row_start + BLOCK_M) to dk and dv."""
     rows = row_start + tl.arange(0, BLOCK_M)
-    q = _load_q_or_k(Q, qkv_row_stride, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, ROPE)
+    q = _load_rows(Q, rows, qkv_row_stride, seq_len, HEAD_DIM)
     do = _load_rows(dOut, rows, out_row_stride, seq_len, HEAD_DIM)
     lse = _load_lse(Lse, rows, seq_len)
     delta = tl.load(Delta + rows, mask=rows < seq_len, other=0.0)
@@ -304,7 +318,8 @@ def _flash_attention_backward_dkdv_kernel(
 ):
     """One program: dk and dv for BLOCK_N keys of one (batch, head), looping over query blocks.
 
-    Grid: (cdiv(S, BLOCK_N), B * H).
+    Q and K are read as the forward pass scored them (with RoPE: the rotated copies it saved); ROPE only
+    rotates dk back to the unrotated keys before it is stored. Grid: (cdiv(S, BLOCK_N), B * H).
     """
     block_n = tl.program_id(0)
     batch_head = tl.program_id(1)
@@ -319,7 +334,7 @@ def _flash_attention_backward_dkdv_kernel(
     Delta += batch_head.to(tl.int64) * seq_len
 
     cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = _load_q_or_k(K, qkv_row_stride, Cos, Sin, cols, seq_len, BLOCK_N, HEAD_DIM, ROPE)
+    k = _load_rows(K, cols, qkv_row_stride, seq_len, HEAD_DIM)
     v = _load_rows(V, cols, qkv_row_stride, seq_len, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -335,13 +350,13 @@ def _flash_attention_backward_dkdv_kernel(
         query_start = 0
         masked_end = 0
     for row_start in range(query_start, masked_end, BLOCK_M):
-        dk, dv = _dkdv_from_query_block(k, v, dk, dv, Q, dOut, Lse, Delta, Cos, Sin, cols, row_start, seq_len,
-                                        sm_scale, qkv_row_stride, out_row_stride, HEAD_DIM, BLOCK_M, True,
-                                        CAUSAL, ROPE, DOT_PRECISION)
+        dk, dv = _dkdv_from_query_block(k, v, dk, dv, Q, dOut, Lse, Delta, cols, row_start, seq_len, sm_scale,
+                                        qkv_row_stride, out_row_stride, HEAD_DIM, BLOCK_M, True, CAUSAL,
+                                        DOT_PRECISION)
     for row_start in range(masked_end, seq_len, BLOCK_M):
-        dk, dv = _dkdv_from_query_block(k, v, dk, dv, Q, dOut, Lse, Delta, Cos, Sin, cols, row_start, seq_len,
-                                        sm_scale, qkv_row_stride, out_row_stride, HEAD_DIM, BLOCK_M, False,
-                                        CAUSAL, ROPE, DOT_PRECISION)
+        dk, dv = _dkdv_from_query_block(k, v, dk, dv, Q, dOut, Lse, Delta, cols, row_start, seq_len, sm_scale,
+                                        qkv_row_stride, out_row_stride, HEAD_DIM, BLOCK_M, False, CAUSAL,
+                                        DOT_PRECISION)
 
     dk = dk * sm_scale
     if ROPE:  # dk is the gradient for the rotated keys: rotate it back
@@ -351,12 +366,12 @@ def _flash_attention_backward_dkdv_kernel(
 
 
 @triton.jit
-def _dq_from_key_block(q, do, lse, delta, dq, K, V, Cos, Sin, rows, key_start, seq_len, sm_scale,
-                       qkv_row_stride, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                       CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _dq_from_key_block(q, do, lse, delta, dq, K, V, rows, key_start, seq_len, sm_scale, qkv_row_stride,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
     """Add the contribution of the keys [key_start, key_start + BLOCK_N) to dq."""
     cols = key_start + tl.arange(0, BLOCK_N)
-    k = _load_q_or_k(K, qkv_row_stride, Cos, Sin, cols, seq_len, BLOCK_N, HEAD_DIM, ROPE)
+    k = _load_rows(K, cols, qkv_row_stride, seq_len, HEAD_DIM)
     v = _load_rows(V, cols, qkv_row_stride, seq_len, HEAD_DIM)
 
     p = _probabilities(q, k, lse, rows, cols, seq_len, sm_scale, MASKED, CAUSAL, DOT_PRECISION)
@@ -379,6 +394,7 @@ def _flash_attention_backward_dq_kernel(
     delta_i = sum_j p_ij dp_ij is the term the softmax backward subtracts. Computed from O and dO it is one
     product per row instead of a reduction over all keys; this program has dO of its rows in registers
     anyway, so it costs one extra read of O's rows, and no launch of its own.
+    Q and K as in the dk/dv kernel: already rotated with RoPE; ROPE rotates dq back before it is stored.
     Grid: (cdiv(S, BLOCK_M), B * H).
     """
     block_m = tl.program_id(0)
@@ -393,7 +409,7 @@ def _flash_attention_backward_dq_kernel(
     Delta += batch_head.to(tl.int64) * seq_len
 
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = _load_q_or_k(Q, qkv_row_stride, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, ROPE)
+    q = _load_rows(Q, rows, qkv_row_stride, seq_len, HEAD_DIM)
     do = _load_rows(dOut + out_start, rows, out_row_stride, seq_len, HEAD_DIM)
     lse = _load_lse(Lse, rows, seq_len)
     o = _load_rows(Out + out_start, rows, out_row_stride, seq_len, HEAD_DIM)
@@ -404,11 +420,11 @@ def _flash_attention_backward_dq_kernel(
     # The same key blocks as the forward pass, split the same way into unmasked and masked ones.
     full_end, key_end = _key_blocks_of_query_block(block_m, seq_len, BLOCK_M, BLOCK_N, CAUSAL)
     for key_start in range(0, full_end, BLOCK_N):
-        dq = _dq_from_key_block(q, do, lse, delta, dq, K, V, Cos, Sin, rows, key_start, seq_len, sm_scale,
-                                qkv_row_stride, HEAD_DIM, BLOCK_N, False, CAUSAL, ROPE, DOT_PRECISION)
+        dq = _dq_from_key_block(q, do, lse, delta, dq, K, V, rows, key_start, seq_len, sm_scale, qkv_row_stride,
+                                HEAD_DIM, BLOCK_N, False, CAUSAL, DOT_PRECISION)
     for key_start in range(full_end, key_end, BLOCK_N):
-        dq = _dq_from_key_block(q, do, lse, delta, dq, K, V, Cos, Sin, rows, key_start, seq_len, sm_scale,
-                                qkv_row_stride, HEAD_DIM, BLOCK_N, True, CAUSAL, ROPE, DOT_PRECISION)
+        dq = _dq_from_key_block(q, do, lse, delta, dq, K, V, rows, key_start, seq_len, sm_scale, qkv_row_stride,
+                                HEAD_DIM, BLOCK_N, True, CAUSAL, DOT_PRECISION)
 
     dq = dq * sm_scale
     if ROPE:  # dq is the gradient for the rotated queries: rotate it back
@@ -545,24 +561,34 @@ def _rope_tables(cos, sin, seq_len: int, device: torch.device):
     return tuple(table[:seq_len].to(device=device, dtype=torch.float32).contiguous() for table in (cos, sin))
 
 
-def _run_forward(problem: _Problem, q, k, v, out, cos, sin) -> torch.Tensor:
+def _run_forward(problem: _Problem, q, k, v, out, cos, sin, rotated=None) -> torch.Tensor:
     """Fill out from q, k, v (tensors whose data pointer is element (0, 0, 0, 0) of their operand, laid out as
-    `problem` says). Returns lse: [B*H, S] float32."""
+    `problem` says). Returns lse: [B*H, S] float32.
+
+    With RoPE (cos given), `rotated` = (q_rot, k_rot, v_copy) laid out like q, k, v: the kernel fills q_rot and
+    k_rot with the rotated q and k, and v_copy (unless it is None) with v, for the backward pass.
+    """
     lse = _new_buffer((problem.batch * problem.heads, problem.seq_len), torch.float32, q.device)
     rope = cos is not None
+    q_rot, k_rot, v_copy = rotated if rope else (q, q, q)   # placeholders: never touched without RoPE
     config = _launch_config(problem.head_dim, q.dtype, problem.seq_len, "forward")
     grid = (triton.cdiv(problem.seq_len, config["BLOCK_M"]), problem.batch * problem.heads)
     _flash_attention_forward_kernel[grid](
         q, k, v, out, lse,
         cos if rope else q, sin if rope else q,  # placeholders: never read without RoPE
+        q_rot, k_rot, q if v_copy is None else v_copy,
         *problem.scalar_args(),
-        HEAD_DIM=problem.head_dim, CAUSAL=problem.causal, ROPE=rope, DOT_PRECISION=problem.precision, **config,
+        HEAD_DIM=problem.head_dim, CAUSAL=problem.causal, ROPE=rope, COPY_V=v_copy is not None,
+        DOT_PRECISION=problem.precision, **config,
     )
     return lse
 
 
 def _run_backward(problem: _Problem, q, k, v, out, lse, cos, sin, grad_out, dq, dk, dv) -> None:
-    """Fill dq, dk, dv (laid out like q, k, v) from the saved forward tensors and grad_out (laid out like out)."""
+    """Fill dq, dk, dv (laid out like q, k, v) from the saved forward tensors and grad_out (laid out like out).
+
+    q and k as the forward pass scored them: with RoPE (cos given) the rotated copies it wrote; dq and dk come
+    out with respect to the unrotated inputs."""
     batch_heads, seq_len = problem.batch * problem.heads, problem.seq_len
     rope = cos is not None
 
@@ -599,7 +625,12 @@ class FlashAttentionFunction(torch.autograd.Function):
         cos, sin = _rope_tables(cos, sin, seq_len, q.device)
 
         out = _new_buffer(q.shape, q.dtype, q.device)
-        lse = _run_forward(problem, q, k, v, out, cos, sin)
+        if cos is None:
+            lse = _run_forward(problem, q, k, v, out, cos, sin)
+        else:  # the backward reads the rotated q and k the forward writes (v is saved as it is)
+            q_rot, k_rot = _new_buffer(q.shape, q.dtype, q.device), _new_buffer(k.shape, k.dtype, k.device)
+            lse = _run_forward(problem, q, k, v, out, cos, sin, rotated=(q_rot, k_rot, None))
+            q, k = q_rot, k_rot
         ctx.save_for_backward(q, k, v, out, lse, cos, sin)
         ctx.problem = problem
         return out
@@ -634,7 +665,12 @@ class FlashAttentionPackedFunction(torch.autograd.Function):
 
         q, k, v = qkv.split(dim, dim=-1)  # views of the same memory, starting 0, D and 2D columns in
         out = _new_buffer((batch, seq_len, dim), qkv.dtype, qkv.device)
-        lse = _run_forward(problem, q, k, v, out, cos, sin)
+        if cos is None:
+            lse = _run_forward(problem, q, k, v, out, cos, sin)
+        else:  # the kernel also writes [rotated q | rotated k | v] into a buffer like qkv: the backward's input
+            qkv_rotated = _new_buffer(qkv.shape, qkv.dtype, qkv.device)
+            lse = _run_forward(problem, q, k, v, out, cos, sin, rotated=qkv_rotated.split(dim, dim=-1))
+            qkv = qkv_rotated
         ctx.save_for_backward(qkv, out, lse, cos, sin)
         ctx.problem = problem
         return out

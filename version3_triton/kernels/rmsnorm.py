@@ -12,13 +12,12 @@ in x's dtype. This equals PyTorch's
 
 Layout: the wrappers view x [..., D] as a contiguous 2-D tensor [rows, D], so row r starts at r * D.
 """
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from tinytransformer.triton_support import num_warps_for
+from tinytransformer.triton_support import multiprocessor_count, num_warps_for
 
 # ------------------------------------------------------------------------------------------------ kernels
 
@@ -122,12 +121,6 @@ def _block_size(n_cols: int) -> int:
     return triton.next_power_of_2(n_cols)
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessor_count(device_index: int) -> int:
-    # Streaming multiprocessors on NVIDIA, compute units on AMD: both reported under this name.
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _backward_rows_per_tile(block_size: int, device: torch.device) -> int:
     """About 4096 elements per tile (it stays in registers); 4 rows in the interpreter, enough to test masking."""
     return 4 if device.type != "cuda" else max(1, min(16, 4096 // block_size))
@@ -136,7 +129,7 @@ def _backward_rows_per_tile(block_size: int, device: torch.device) -> int:
 def _backward_program_count(n_tiles: int, device: torch.device) -> int:
     """A few programs per SM (compute unit), never more than there are row tiles."""
     if device.type == "cuda":
-        target = 4 * _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+        target = 4 * multiprocessor_count(device)
     else:
         target = 8  # Triton's CPU interpreter runs programs one after another: parallelism does not matter.
     return max(1, min(n_tiles, target))

@@ -126,16 +126,18 @@ def test_custom_scale_and_head_dim_128(device):
     check_against_reference(1, 1, 37, 128, torch.float32, device, sm_scale=0.3)
 
 
-def test_non_contiguous_inputs_and_broadcast_grad(device):
+@pytest.mark.parametrize("use_rope", [False, True], ids=["plain", "rope"])
+def test_non_contiguous_inputs_and_broadcast_grad(use_rope, device):
     """A transposed [B, S, H, Dh] view (what a model produces) and the zero-stride gradient of out.sum()."""
     batch, seq_len, heads, head_dim = 1, 37, 2, 32
     base = [torch.randn(batch, seq_len, heads, head_dim, device=device, requires_grad=True) for _ in range(3)]
     q, k, v = (t.transpose(1, 2) for t in base)
     assert not q.is_contiguous()
-    fa.flash_attention(q, k, v).sum().backward()
+    rope = rope_tables(seq_len, head_dim, device=device) if use_rope else None
+    fa.flash_attention(q, k, v, rope=rope, precise_fp32=True).sum().backward()   # float32 tolerance: no TF32
 
     q64, k64, v64 = (t.detach().double().transpose(1, 2).requires_grad_() for t in base)
-    reference_attention(q64, k64, v64, True, 1.0 / math.sqrt(head_dim)).sum().backward()
+    reference_attention(q64, k64, v64, True, 1.0 / math.sqrt(head_dim), rope).sum().backward()
     for got, want in ((base[0].grad, q64.grad), (base[1].grad, k64.grad), (base[2].grad, v64.grad)):
         assert relative_error(got.transpose(1, 2), want) < TOLERANCE[torch.float32]
 
@@ -311,6 +313,19 @@ def test_packed_equals_unpacked(causal, use_rope, device):
     check_packed_equals_unpacked(2, 3, 37, 16, torch.float32, device, causal, use_rope)
 
 
+def test_forward_with_rope_refuses_to_run_without_a_buffer_for_the_rotated_rows(device):
+    """The kernel writes the rotated q and k for the backward: a caller that gives nowhere to put them gets a
+    clear error, not a kernel writing through placeholder pointers."""
+    batch, heads, seq_len, head_dim = 1, 1, 8, 16
+    q = torch.randn(batch, heads, seq_len, head_dim, device=device)
+    strides = (heads * seq_len * head_dim, seq_len * head_dim, head_dim)   # contiguous [B, H, S, Dh]
+    problem = fa._Problem(batch, heads, seq_len, head_dim, qkv_strides=strides, out_strides=strides,
+                          causal=True, sm_scale=0.25, precision="ieee")
+    cos, sin = rope_tables(seq_len, head_dim, device=device)
+    with pytest.raises(ValueError, match="rotated"):
+        fa._run_forward(problem, q, q, q, torch.empty_like(q), cos, sin)
+
+
 def test_packed_allocates_poisoned_outputs(monkeypatch, device):
     """out, lse, the rotated [q | k | v] the forward saves for the backward, delta and the ONE gradient buffer of
     qkv all come from _new_buffer, i.e. start as NaN under the autouse fixture; finite results therefore mean
@@ -343,7 +358,7 @@ def test_packed_non_contiguous_qkv_and_broadcast_grad(device):
     wide = torch.randn(batch, seq_len, 3 * dim + 8, device=device, requires_grad=True)
     qkv = wide[..., 8:]
     assert not qkv.is_contiguous()
-    fa.flash_attention_packed(qkv, heads).sum().backward()
+    fa.flash_attention_packed(qkv, heads, precise_fp32=True).sum().backward()   # float32 tolerance: no TF32
 
     qkv64 = qkv.detach().double().requires_grad_()
     want = reference_attention(*unpack_reference(qkv64, heads), True, 1.0 / math.sqrt(head_dim))

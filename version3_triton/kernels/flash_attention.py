@@ -25,15 +25,14 @@ exactly one program, so there are no atomics and the result is deterministic; th
 q k^T and dO v^T twice.
 
 RoPE on load (used by version 4): rotary embeddings rotate q and k by a position-dependent angle just
-before attention. With `rope=(cos, sin)` the kernels receive UNrotated q and k and rotate each block as it is
-loaded, in the rotate-half convention
+before attention. With `rope=(cos, sin)` the forward kernel receives UNrotated q and k and rotates each block
+as it is loaded, in the rotate-half convention
     rot(x) = x * cos + rotate_half(x) * sin,     rotate_half(x) = cat(-x[..., Dh/2:], x[..., :Dh/2]),
-with cos and sin of shape [S, Dh] and equal on both halves. That saves a separate pass that would read and
-write q and k once more. The forward kernel rotates every key block again for each query block that visits
-it; so that the backward pass does not rotate everything a second and third time, each forward program also
-writes the rotated q and k rows of its own positions (and, in the packed layout, a copy of the v rows) into a
-buffer laid out like the input, which is what the forward saves for the backward: the backward kernels then
-read q and k as they are. The gradients come back with respect to the unrotated inputs: the rotation is
+with cos and sin of shape [S, Dh] and equal on both halves. No separate RoPE pass runs before attention.
+The forward kernel rotates every key block again for each query block that visits it; so that the backward
+pass does not rotate everything a second and third time, each forward program also writes the rotated q and k
+rows of its own positions (and, in the packed layout, a copy of the v rows) into a buffer laid out like the
+input, which is what the forward saves for the backward: the backward kernels then read q and k as they are. The gradients come back with respect to the unrotated inputs: the rotation is
 orthogonal, so its transpose, x * cos - rotate_half(x) * sin, is applied to dq and dk once before they are
 stored.
 
@@ -58,8 +57,9 @@ from tinytransformer.triton_support import interpreter_active, is_rocm
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Tests set this to True: every buffer the wrapper allocates for a kernel to fill (out, lse, delta, dq, dk,
-# dv) then starts as NaN, so an element that a kernel forgets to write cannot pass as a plausible value.
+# Tests set this to True: every buffer the wrapper allocates for a kernel to fill (out, lse, the rotated q and
+# k (and v) saved for the backward, delta, dq, dk, dv) then starts as NaN, so an element that a kernel forgets
+# to write cannot pass as a plausible value.
 FILL_NEW_BUFFERS_WITH_NAN = False
 
 
@@ -83,7 +83,8 @@ FILL_NEW_BUFFERS_WITH_NAN = False
 #     packed out [B, S, D]       S * D          Dh            D            out, d(out)
 #
 # In the packed layout the base pointers of k and v (and of dk and dv) are those of q (dq) plus D and 2D
-# columns. q, k, v, dq, dk, dv share one set of strides (the "qkv" strides); out and d(out) share another.
+# columns. q, k, v, dq, dk, dv, and the rotated q, k (and v) that the forward saves with RoPE, share one set
+# of strides (the "qkv" strides); out and d(out) share another.
 # The RoPE tables are plain contiguous [S, Dh] matrices: row stride Dh.
 
 
@@ -150,7 +151,7 @@ def _load_q_or_k(base, row_stride, Cos, Sin, rows, seq_len, BLOCK: tl.constexpr,
 
     rotate_half(x) is read from memory rather than built in registers: the same rows are loaded a second time
     with their column halves swapped (a cache hit), and the sign of the first half is folded into sin. The
-    loops of the kernels rotate every k block they visit, so this load must be cheap; a register shuffle
+    forward kernel's loop rotates every k block it visits, so this load must be cheap; a register shuffle
     (_rotate_half) costs more there. Results rotated once per program (dq, dk) use the shuffle.
     """
     x = _load_rows(base, rows, row_stride, seq_len, HEAD_DIM)
@@ -568,9 +569,11 @@ def _run_forward(problem: _Problem, q, k, v, out, cos, sin, rotated=None) -> tor
     With RoPE (cos given), `rotated` = (q_rot, k_rot, v_copy) laid out like q, k, v: the kernel fills q_rot and
     k_rot with the rotated q and k, and v_copy (unless it is None) with v, for the backward pass.
     """
-    lse = _new_buffer((problem.batch * problem.heads, problem.seq_len), torch.float32, q.device)
     rope = cos is not None
-    q_rot, k_rot, v_copy = rotated if rope else (q, q, q)   # placeholders: never touched without RoPE
+    if rope and rotated is None:
+        raise ValueError("_run_forward with RoPE needs rotated=(q_rot, k_rot, v_copy or None) to write into")
+    lse = _new_buffer((problem.batch * problem.heads, problem.seq_len), torch.float32, q.device)
+    q_rot, k_rot, v_copy = rotated if rope else (q, q, None)   # placeholders: never touched without RoPE
     config = _launch_config(problem.head_dim, q.dtype, problem.seq_len, "forward")
     grid = (triton.cdiv(problem.seq_len, config["BLOCK_M"]), problem.batch * problem.heads)
     _flash_attention_forward_kernel[grid](

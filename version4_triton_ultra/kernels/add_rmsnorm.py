@@ -184,14 +184,18 @@ def _backward_rows_per_tile(block_d):
 
 
 def _backward_num_warps(block_rows, block_d):
-    """At most 4 warps for a [rows, D] tile, though one warp per 256 elements would give 8 for 16 x 256.
+    """Warps for the backward kernel: at most 4 for a tile of up to 4096 elements (num_warps_for alone would give
+    16 for 16 x 256; the cap used to be 8), up to 8 for a wider single row.
 
     Measured on an H100 in version 4's graph-captured step (D = 256, 16-row tiles): 26.5 us per call against
     32.7 us with 8 warps at N = 16384 rows (batch 32 x seq 512, bfloat16), 6.4 against 7.4 us at N = 1024
     (the seed size, bfloat16). With fewer threads per program, each thread keeps more loads of its rows in
-    flight, and the tile's column sums for grad_weight need fewer cross-warp steps.
+    flight, and the tile's column sums for grad_weight need fewer cross-warp steps. A row wider than 4096
+    features is a tile of its own: there 4 warps would give each thread too many elements (at D = 8192,
+    N = 2048 the kernel took 923 us with 4 warps against 162 us with 8, same H100), so the cap stays 8.
     """
-    return num_warps_for(block_rows * block_d, max_warps=4)
+    tile_elements = block_rows * block_d
+    return num_warps_for(tile_elements, max_warps=4 if tile_elements <= 4096 else 8)
 
 
 def _backward_program_count(n_rows, block_rows, device):

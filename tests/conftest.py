@@ -31,3 +31,18 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """The device kernel tests run on: the GPU when there is one, else the CPU (Triton interpreter)."""
     return torch.device("cuda" if HAS_GPU else "cpu")
+
+
+@pytest.fixture
+def graph_counting_backend():
+    """(backend, graphs): a torch.compile backend that only records each graph dynamo hands it and runs it
+    unchanged (no code generation, so tracing tests stay fast), and the list it records into."""
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()   # graphs cached by an earlier test would not be handed over again
+    yield backend, graphs
+    torch._dynamo.reset()

@@ -402,18 +402,14 @@ def test_profile_range_opens_a_record_function_range_only_while_the_profiler_rec
         torch.ones(4).add_(1)
 
 
-def test_profile_range_leaves_torch_compile_one_graph():
+def test_profile_range_leaves_torch_compile_one_graph(graph_counting_backend):
     """Inside torch.compile the range must be traceable: an untraceable call would make torch.compile give up
     on the function (a --enable-torch-compile run would silently run eager, launch by launch)."""
     import torch
 
     from tinytransformer.profiling import profile_range
 
-    graphs = []
-
-    def counting_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
+    counting_backend, graphs = graph_counting_backend
 
     def two_ranges(x):
         with profile_range("attention"):
@@ -422,7 +418,6 @@ def test_profile_range_leaves_torch_compile_one_graph():
             x = x + 1
         return x.sin()
 
-    torch._dynamo.reset()
     compiled = torch.compile(two_ranges, backend=counting_backend)
     x = torch.randn(4)
     assert torch.allclose(compiled(x), two_ranges(x))

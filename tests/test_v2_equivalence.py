@@ -82,22 +82,15 @@ def test_torch_compile_matches_eager_on_cpu():
     assert compare(reference, forward_backward(compiled, weights, inputs, targets), tolerance=1e-5) == []
 
 
-def test_torch_compile_captures_the_whole_model_in_one_graph():
+def test_torch_compile_captures_the_whole_model_in_one_graph(graph_counting_backend):
     """A graph break (an untraceable call anywhere in the forward pass, e.g. in a profiling range) would split
     the model into many small graphs or make torch.compile give up, and `--enable-torch-compile` would
     quietly lose its speed. Tracing only (a counting backend, no code generation): fast."""
-    graphs = []
-
-    def counting_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    torch._dynamo.reset()
+    counting_backend, graphs = graph_counting_backend
     model = V2(SMALL, Fusions())
     model.load_canonical(canonical(SMALL, seed=1))
     inputs, targets = random_batch(SMALL, batch=2, seq=16, device="cpu", seed=2)
     compiled = torch.compile(model, backend=counting_backend)
     _, loss = compiled(inputs, targets)
     loss.backward()
-    torch._dynamo.reset()
     assert len(graphs) == 1, f"the forward pass was split into {len(graphs)} graphs"

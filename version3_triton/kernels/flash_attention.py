@@ -28,13 +28,13 @@ RoPE on load (used by version 4): rotary embeddings rotate q and k by a position
 before attention. With `rope=(cos, sin)` the forward kernel receives UNrotated q and k and rotates each block
 as it is loaded, in the rotate-half convention
     rot(x) = x * cos + rotate_half(x) * sin,     rotate_half(x) = cat(-x[..., Dh/2:], x[..., :Dh/2]),
-with cos and sin of shape [S, Dh] and equal on both halves. No separate RoPE pass runs before attention.
-The forward kernel rotates every key block again for each query block that visits it; so that the backward
-pass does not rotate everything a second and third time, each forward program also writes the rotated q and k
-rows of its own positions (and, in the packed layout, a copy of the v rows) into a buffer laid out like the
-input, which is what the forward saves for the backward: the backward kernels then read q and k as they are. The gradients come back with respect to the unrotated inputs: the rotation is
-orthogonal, so its transpose, x * cos - rotate_half(x) * sin, is applied to dq and dk once before they are
-stored.
+with cos and sin of shape [S, Dh] and equal on both halves. No separate RoPE pass runs before attention. The
+forward kernel rotates every key block again for each query block that visits it; so that the backward pass
+does not rotate everything a second and third time, each forward program also writes the rotated q and k rows
+of its own positions (and, in the packed layout, a copy of the v rows) into a buffer laid out like the input,
+which is what the forward saves for the backward: the backward kernels then read q and k as they are. The
+gradients come back with respect to the unrotated inputs: the rotation is orthogonal, so its transpose,
+x * cos - rotate_half(x) * sin, is applied to dq and dk once before they are stored.
 
 Two entry points share the same kernels (they differ only in the strides they pass, see "Addressing"):
     flash_attention(q, k, v)             q, k, v, out: [B, H, S, Dh]                      (the textbook layout)

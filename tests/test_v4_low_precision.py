@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from version4_triton_ultra.tiny_llama_v4 import LowPrecisionLinear, Projection, TinyLlama
+from version4_triton_ultra.tiny_llama_v4 import ProjectionMatmul, Projection, TinyLlama
 from tinytransformer.config import ModelConfig
 
 BF16_TOLERANCE = 2e-2
@@ -19,7 +19,7 @@ def test_low_precision_linear_matches_float64():
     torch.manual_seed(0)
     x = torch.randn(3, 5, 48).bfloat16().requires_grad_()
     weight = torch.randn(32, 48, requires_grad=True)
-    y = LowPrecisionLinear.apply(x, weight, weight.detach().bfloat16())
+    y = ProjectionMatmul.apply(x, weight, weight.detach().bfloat16(), None)
     grad_y = torch.randn_like(y)
     y.backward(grad_y)
 
@@ -29,6 +29,30 @@ def test_low_precision_linear_matches_float64():
     assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
     for name, got, want in (("y", y, y64), ("grad x", x.grad, x64.grad), ("grad weight", weight.grad, w64.grad)):
         assert relative_error(got, want) < BF16_TOLERANCE, name
+
+
+def test_projection_matmul_in_float32_matches_float64():
+    """The float32 path (the weight itself as the GEMM operand), used with the weight-gradient stream."""
+    torch.manual_seed(2)
+    x = torch.randn(3, 5, 48, requires_grad=True)
+    weight = torch.randn(32, 48, requires_grad=True)
+    y = ProjectionMatmul.apply(x, weight, weight, None)
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    (x64 @ w64.T).backward(grad_y.double())
+    assert y.dtype == x.grad.dtype == weight.grad.dtype == torch.float32
+    for got, want in ((y, x64 @ w64.T), (x.grad, x64.grad), (weight.grad, w64.grad)):
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_gradient_stream_needs_a_gpu():
+    model = TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=1, num_heads=2, intermediate_size=64,
+                                  max_seq_len=16))
+    with pytest.raises(ValueError, match="needs a GPU"):
+        model.use_weight_gradient_stream()
+    model.use_weight_gradient_stream(False)   # switching it off is always possible
+    assert all(projection.weight_grads is None for projection in model.projections)
 
 
 def test_projection_under_autocast_equals_nn_linear():

@@ -3,6 +3,7 @@
     python profile_graphed_step.py                                  (seed config, float32 with TF32)
     python profile_graphed_step.py --use-amp                        (bfloat16 autocast)
     python profile_graphed_step.py --use-amp --batch-size 32 --seq-len 512 --top 20
+    python profile_graphed_step.py --no-weight-grad-stream          (weight gradients on the main stream)
 
 The training script (tiny_llama_v4.py) times the whole loop: the graph replay plus the copy of each batch into
 the graph's input buffers. This script builds the same model and the same GraphedStep, replays it on one fixed
@@ -33,6 +34,8 @@ def parse_args(argv):
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--seq-len", type=positive_int, default=128)
     parser.add_argument("--use-amp", action="store_true", help="bfloat16 autocast (default: float32 with TF32)")
+    parser.add_argument("--no-weight-grad-stream", dest="weight_grad_stream", action="store_false",
+                        help="weight-gradient GEMMs on the main stream (default: on a second stream)")
     parser.add_argument("--steps", type=positive_int, default=200, help="timed replays [200]")
     parser.add_argument("--top", type=positive_int, default=45, help="kernel rows to print [45]")
     args = parser.parse_args(argv)
@@ -51,7 +54,8 @@ def build_step(args):
     model = v4.TinyLlama(config)
     model.capturable_optimizer = True
     model.cuda()
-    step = v4.GraphedStep(model, model.configure_optimizer(train), torch.device("cuda"), train)
+    step = v4.GraphedStep(model, model.configure_optimizer(train), torch.device("cuda"), train,
+                          weight_gradient_stream=args.weight_grad_stream)
     tokens = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len + 1), device="cuda")
     return step, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 

@@ -17,6 +17,8 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
   7. Fused AdamW (`torch.optim.AdamW(fused=True)`): one kernel for all parameters instead of a dozen.
   8. CUDA/HIP graph: after a few eager warm-up steps, forward + backward + optimizer are captured ONCE and every
      later step is a single graph replay: no Python, no per-kernel launch cost (--no-cuda-graph to compare).
+     Inside it, the weight-gradient GEMMs of the backward pass run on a second stream, at the same time as the
+     rest of the backward pass (WeightGradientStream; --no-weight-grad-stream to compare).
   9. TF32 tensor cores for float32 matmuls (--no-tf32 for exact float32): the same precision Triton already
      uses for float32 tl.dot.
 
@@ -45,7 +47,8 @@ from version3_triton.kernels.flash_attention import flash_attention_packed  # no
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
 from version3_triton.kernels.swiglu import swiglu_fused  # noqa: E402
 from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm  # noqa: E402
-from version4_triton_ultra.kernels.linear_cross_entropy import linear_cross_entropy, matmul_to_float32  # noqa: E402
+from version4_triton_ultra.kernels.linear_cross_entropy import (  # noqa: E402
+    accumulate_matmul, linear_cross_entropy, matmul_to_float32)
 
 
 class EmbeddingLookup(torch.autograd.Function):
@@ -72,41 +75,106 @@ class EmbeddingLookup(torch.autograd.Function):
         return None, grad_weight
 
 
-class LowPrecisionLinear(torch.autograd.Function):
-    """y = x @ weight16^T, where weight16 is a 16-bit copy of the float32 `weight` made before the forward pass.
+class WeightGradientStream:
+    """Runs the weight-gradient GEMMs of the backward pass on a second stream, beside the critical path.
 
-    Backward: grad_x = grad_y @ weight16 (16-bit, as under autocast), and the weight gradient from the 16-bit
-    operands straight into float32, as the gradient of the float32 weight (the optimizer's master copy).
+    In the backward pass of y = x @ W^T, grad_x = grad_y @ W feeds the next backward operation, but
+    grad_W = grad_y^T @ x is only read by the optimizer, after the whole backward pass. At this model size one
+    GEMM occupies a fraction of the GPU's SMs, so the weight GEMMs can run at the same time as the chain of
+    input-gradient GEMMs, norms and attention backwards instead of after each of them. Each projection's
+    backward queues its weight GEMM here (writing weight.grad itself and handing autograd no weight gradient);
+    `join()`, at the very end of the backward pass, makes the main stream wait for all of them.
+
+    Used by the graph-captured step (a CUDA/HIP graph records both streams and the events between them). Not
+    under data parallel: DDP starts its all-reduces from autograd's gradient hooks, which this bypasses.
+    """
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+        self.in_use = []   # operands of queued GEMMs: kept alive until the main stream has waited for them
+
+    def queue(self, weight: torch.Tensor, grad_y: torch.Tensor, x: torch.Tensor) -> None:
+        """weight.grad (+)= grad_y^T @ x on the side stream; grad_y: [rows, out], x: [rows, in]."""
+        main = torch.cuda.current_stream(weight.device)
+        first = weight.grad is None   # else a second backward before the optimizer step: accumulate
+        if first:
+            # Allocated on the main stream, which reads it (the optimizer) and frees it (zero_grad).
+            weight.grad = torch.empty_like(weight)
+        self.stream.wait_stream(main)   # grad_y and x are produced on the main stream
+        with torch.cuda.stream(self.stream):
+            if first:
+                matmul_to_float32(grad_y.T, x, out=weight.grad)
+            else:
+                accumulate_matmul(weight.grad, grad_y.T, x)
+        self.in_use += [grad_y, x]
+
+    def join(self) -> None:
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        self.in_use.clear()   # safe now: later work on the main stream is ordered after the side stream's
+
+
+class JoinWeightGradients(torch.autograd.Function):
+    """Identity on the embedding output. The backward pass reaches it after every layer's backward (they all
+    depend on it), so its backward is where the main stream waits for the queued weight-gradient GEMMs."""
+
+    @staticmethod
+    def forward(ctx, h, weight_grads):
+        ctx.weight_grads = weight_grads
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        ctx.weight_grads.join()
+        return grad_h, None
+
+
+class ProjectionMatmul(torch.autograd.Function):
+    """y = x @ gemm_weight^T, where gemm_weight is either the float32 `weight` itself or a 16-bit copy of it
+    made before the forward pass (under autocast).
+
+    Backward: grad_x = grad_y @ gemm_weight (16-bit under autocast, as autocast would do), and the weight
+    gradient from the same operands straight into float32, as the gradient of the float32 `weight` (the
+    optimizer's master copy): returned to autograd, or, with a WeightGradientStream, queued on its stream.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, weight16):
-        x = x.to(weight16.dtype)
-        ctx.save_for_backward(x, weight16)
-        return x @ weight16.T
+    def forward(ctx, x, weight, gemm_weight, weight_grads):
+        x = x.to(gemm_weight.dtype)
+        ctx.save_for_backward(x, gemm_weight)
+        ctx.weight, ctx.weight_grads = weight, weight_grads
+        return x @ gemm_weight.T
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, weight16 = ctx.saved_tensors
-        grad_x = grad_y @ weight16 if ctx.needs_input_grad[0] else None
+        x, gemm_weight = ctx.saved_tensors
+        grad_x = grad_y @ gemm_weight if ctx.needs_input_grad[0] else None   # first: the critical path
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = matmul_to_float32(grad_y.reshape(-1, grad_y.shape[-1]).T, x.reshape(-1, x.shape[-1]))
-        return grad_x, grad_weight, None
+            grad_y_rows, x_rows = grad_y.reshape(-1, grad_y.shape[-1]), x.reshape(-1, x.shape[-1])
+            if ctx.weight_grads is None:
+                grad_weight = matmul_to_float32(grad_y_rows.T, x_rows)
+            else:
+                ctx.weight_grads.queue(ctx.weight, grad_y_rows, x_rows)
+        return grad_x, grad_weight, None, None
 
 
 class Projection(nn.Linear):
     """A bias-free nn.Linear that, under autocast, multiplies with the 16-bit copy of its weight that the model
-    refreshes once per forward pass for all projections together (TinyLlama.refresh_16bit_weights)."""
+    refreshes once per forward pass for all projections together (TinyLlama.refresh_16bit_weights), and whose
+    weight gradient may be computed on a second stream (TinyLlama.use_weight_gradient_stream)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
         self.weight16 = None
+        self.weight_grads = None   # a WeightGradientStream, or None: autograd computes the weight gradient
 
     def forward(self, x):
-        if self.weight16 is None or not torch.is_autocast_enabled(x.device.type):
-            return super().forward(x)
-        return LowPrecisionLinear.apply(x, self.weight, self.weight16)
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if autocast and self.weight16 is not None:
+            return ProjectionMatmul.apply(x, self.weight, self.weight16, self.weight_grads)
+        if not autocast and self.weight_grads is not None:
+            return ProjectionMatmul.apply(x, self.weight, self.weight, self.weight_grads)
+        return super().forward(x)
 
 
 def gemm_input_dtype(device_type: str):
@@ -200,6 +268,7 @@ class TinyLlama(nn.Module):
         self.lm_head = Projection(config.hidden_dim, config.vocab_size)
         self.projections = [m for m in self.modules() if isinstance(m, Projection)]
         self.weights16 = []   # the 16-bit copies of the projection weights, reused from step to step
+        self.weight_grads = None   # a WeightGradientStream once use_weight_gradient_stream() is called
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -223,11 +292,23 @@ class TinyLlama(nn.Module):
         for projection, weight16 in zip(self.projections, self.weights16):
             projection.weight16 = weight16
 
+    def use_weight_gradient_stream(self, enabled: bool = True) -> None:
+        """Compute the projections' weight gradients on a second stream (see WeightGradientStream); GPU only."""
+        device = self.embed_tokens.weight.device
+        if enabled and device.type != "cuda":
+            raise ValueError("a second stream for the weight gradients needs a GPU")
+        self.weight_grads = WeightGradientStream(device) if enabled else None
+        for projection in self.projections:
+            if projection is not self.lm_head:   # the fused loss computes the head's gradient itself
+                projection.weight_grads = self.weight_grads
+
     def forward(self, input_ids, targets=None):
         seq = input_ids.shape[1]
         self.refresh_16bit_weights(gemm_input_dtype(input_ids.device.type))
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = EmbeddingLookup.apply(input_ids, self.embed_tokens.weight)
+        if self.weight_grads is not None and torch.is_grad_enabled():
+            h = JoinWeightGradients.apply(h, self.weight_grads)   # the end of the backward pass
         with profile_range("rmsnorm"):
             h, normed = add_rms_norm(h, None, self.layers[0].attention_norm.weight, self.config.rms_norm_eps,
                                      normed_dtype=gemm_input_dtype(h.device.type))
@@ -283,13 +364,15 @@ class GraphedStep:
     count) and they make every lazy allocation (optimizer state, cuBLAS workspaces, Triton compilation) happen
     before the capture, as graph capture requires. Then the step is captured reading its batch from static
     buffers; each later call copies the batch in and replays the graph. The loss stays on the device: the
-    trainer reads it only when it prints.
+    trainer reads it only when it prints. With `weight_gradient_stream` the graph holds two streams: the
+    projections' weight-gradient GEMMs run beside the rest of the backward pass (WeightGradientStream).
     """
 
     supports_breakdown = False
 
-    def __init__(self, model, optimizer, device, train, warmup_steps: int = 3):
+    def __init__(self, model, optimizer, device, train, warmup_steps: int = 3, weight_gradient_stream=True):
         self.model, self.optimizer, self.device = model, optimizer, device
+        model.use_weight_gradient_stream(weight_gradient_stream)
         self.autocast_dtype = getattr(torch, train.amp_dtype) if train.use_amp else None
         self.warmup_steps, self.calls = warmup_steps, 0
         self.graph = None
@@ -344,6 +427,9 @@ def add_arguments(group):
     group.add_argument("--tf32", dest="tf32", action="store_true", default=True,
                        help="float32 matmuls on TF32 tensor cores (default; NVIDIA Ampere+ / AMD MI300)")
     group.add_argument("--no-tf32", dest="tf32", action="store_false", help="exact float32 matmuls")
+    group.add_argument("--no-weight-grad-stream", dest="weight_grad_stream", action="store_false", default=True,
+                       help="in the graph-captured step, compute the weight gradients on the main stream instead "
+                            "of a second one (to measure what the overlap saves)")
     group.add_argument("--graph-warmup-steps", type=int, default=3,
                        help="eager steps before the graph is captured")
 
@@ -375,7 +461,8 @@ def build_model(config, args):
 
 def make_step(model, optimizer, device, train, args):
     if uses_graph(args, device):
-        return GraphedStep(model, optimizer, device, train, warmup_steps=args.graph_warmup_steps)
+        return GraphedStep(model, optimizer, device, train, warmup_steps=args.graph_warmup_steps,
+                           weight_gradient_stream=args.weight_grad_stream)
     return EagerStep(model, optimizer, device, train)
 
 

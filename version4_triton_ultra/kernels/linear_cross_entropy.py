@@ -210,7 +210,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 if want_grad_hidden:
                     torch.matmul(dlogits, weight_c, out=grad_hidden[rows])
                 if want_grad_weight:
-                    grad_weight = _accumulate(grad_weight, dlogits.T, hidden_c[rows])
+                    grad_weight = accumulate_matmul(grad_weight, dlogits.T, hidden_c[rows])
 
         # Mean over the rows that count; stays on the device (no .item(), so no host synchronisation).
         loss, inv_n_valid = mean_loss(row_loss, targets, ignore_index)
@@ -236,23 +236,25 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 _FLOAT32_OUTPUT_MATMUL = {"supported": True}
 
 
-def matmul_to_float32(a, b):
-    """a @ b returned in float32, for float32 or 16-bit a and b (which are not copied to float32).
+def matmul_to_float32(a, b, out=None):
+    """a @ b returned in float32 (written into `out` if given), for float32 or 16-bit a and b (which are not
+    copied to float32).
 
     On a GPU, one GEMM that accumulates in float32 and writes float32 (torch.mm's out_dtype, where this
     torch build has it); otherwise the 16-bit product is rounded to 16 bits first and then widened, which
     costs a second kernel and some precision."""
     if a.dtype == torch.float32:
-        return a @ b
+        return torch.mm(a, b, out=out)
     if a.is_cuda and _FLOAT32_OUTPUT_MATMUL["supported"]:
         try:
-            return torch.mm(a, b, out_dtype=torch.float32)
+            return torch.mm(a, b, out_dtype=torch.float32, out=out)
         except (RuntimeError, TypeError):  # an older torch, or a backend without the float32-output GEMM
             _FLOAT32_OUTPUT_MATMUL["supported"] = False
-    return (a @ b).to(torch.float32)
+    product = (a @ b).to(torch.float32)
+    return product if out is None else out.copy_(product)
 
 
-def _accumulate(grad_weight, a, b):
+def accumulate_matmul(grad_weight, a, b):
     """grad_weight (float32, or None before the first chunk) + a @ b, without float32 copies of 16-bit a, b."""
     if grad_weight is None:
         return matmul_to_float32(a, b)

@@ -4,6 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -121,3 +124,13 @@ def test_appendix_efficiency_table_is_the_committed_step_time_as_flop_rate():
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == f"{v4['median_step_ms']:.2f}" and cells[2] == f"{tflops:.2f}"
     assert cells[3] == f"{100 * v4['mfu']:.2f}%"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messages on a machine without a GPU")
+@pytest.mark.parametrize("flags, message", [([], "needs a GPU"), (["--in-step"], "needs a GPU"),
+                                            (["--steps", "0"], "error:"), (["--bogus"], "error:")])
+def test_launch_overhead_without_a_gpu_or_with_bad_flags_says_one_line(flags, message):
+    result = subprocess.run([sys.executable, "benchmarks/launch_overhead.py", *flags], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr

@@ -141,7 +141,7 @@ def test_a_kernel_that_ignores_strides_reads_the_wrong_elements(device):
     out = nan_like((rows, n_cols), torch.float32, device)
     grid, block_size = v3_swiglu._launch_config(rows, n_cols)
     # gate: the view's own address; up: where the kernel's layout puts it, F elements further on.
-    v3_swiglu._swiglu_forward_kernel[grid](gate_up, storage.view(-1)[n_cols:], out, n_cols, 2 * n_cols,
+    v3_swiglu._swiglu_forward_kernel[grid](gate_up, storage.view(-1)[n_cols:], out, n_cols, 2 * n_cols, 0,
                                            BLOCK_SIZE=block_size)
     assert rel_err(out, scrambled) < 1e-6            # exactly the SwiGLU of the misread matrix
     assert rel_err(out, right) > 0.5                 # and nothing like the right answer

@@ -82,8 +82,9 @@ FILL_NEW_BUFFERS_WITH_NAN = False
 #     packed qkv [B, S, 3D]      S * 3D         Dh            3D           q, k, v, dq, dk, dv
 #     packed out [B, S, D]       S * D          Dh            D            out, d(out)
 #
-# In the packed layout the base pointers of k and v (and of dk and dv) are those of q (dq) plus D and 2D
-# columns. q, k, v, dq, dk, dv, and the rotated q, k (and v) that the forward saves with RoPE, share one set
+# In the packed layout the wrapper passes qkv itself as q, k and v (and its gradient as dq, dk and dv), and the
+# kernels add k_offset = D and v_offset = 2D elements for k and v: offsets rather than three views of qkv,
+# because each view is a torch call, and at the seed size a training step waits for the host's calls. q, k, v, dq, dk, dv, and the rotated q, k (and v) that the forward saves with RoPE, share one set
 # of strides (the "qkv" strides); out and d(out) share another.
 # The RoPE tables are plain contiguous [S, Dh] matrices: row stride Dh.
 
@@ -220,6 +221,7 @@ def _flash_attention_forward_kernel(
     Q, K, V, Out, Lse, Cos, Sin, QRot, KRot, VCopy,
     seq_len, num_heads, sm_scale,
     qkv_batch_stride, qkv_head_stride, qkv_row_stride, out_batch_stride, out_head_stride, out_row_stride,
+    k_offset, v_offset,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ROPE: tl.constexpr, COPY_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -231,8 +233,8 @@ def _flash_attention_forward_kernel(
     batch_head = tl.program_id(1)
     qkv_start = _head_start(batch_head, num_heads, qkv_batch_stride, qkv_head_stride)
     Q += qkv_start
-    K += qkv_start
-    V += qkv_start
+    K += qkv_start + k_offset
+    V += qkv_start + v_offset
     Out += _head_start(batch_head, num_heads, out_batch_stride, out_head_stride)
     Lse += batch_head.to(tl.int64) * seq_len
 
@@ -241,10 +243,10 @@ def _flash_attention_forward_kernel(
     if ROPE:  # keep what this program rotates once for the backward, which then needs no RoPE in its loops
         _store_rows(QRot + qkv_start, rows, qkv_row_stride, seq_len, q, HEAD_DIM)
         k_rows = _load_q_or_k(K, qkv_row_stride, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, ROPE)
-        _store_rows(KRot + qkv_start, rows, qkv_row_stride, seq_len, k_rows, HEAD_DIM)
+        _store_rows(KRot + qkv_start + k_offset, rows, qkv_row_stride, seq_len, k_rows, HEAD_DIM)
         if COPY_V:
             v_rows = _load_rows(V, rows, qkv_row_stride, seq_len, HEAD_DIM)
-            _store_rows(VCopy + qkv_start, rows, qkv_row_stride, seq_len, v_rows, HEAD_DIM)
+            _store_rows(VCopy + qkv_start + v_offset, rows, qkv_row_stride, seq_len, v_rows, HEAD_DIM)
 
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -314,6 +316,7 @@ def _flash_attention_backward_dkdv_kernel(
     Q, K, V, dOut, Lse, Delta, dK, dV, Cos, Sin,
     seq_len, num_heads, sm_scale,
     qkv_batch_stride, qkv_head_stride, qkv_row_stride, out_batch_stride, out_head_stride, out_row_stride,
+    k_offset, v_offset,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -326,10 +329,10 @@ def _flash_attention_backward_dkdv_kernel(
     batch_head = tl.program_id(1)
     qkv_start = _head_start(batch_head, num_heads, qkv_batch_stride, qkv_head_stride)
     Q += qkv_start
-    K += qkv_start
-    V += qkv_start
-    dK += qkv_start
-    dV += qkv_start
+    K += qkv_start + k_offset
+    V += qkv_start + v_offset
+    dK += qkv_start + k_offset
+    dV += qkv_start + v_offset
     dOut += _head_start(batch_head, num_heads, out_batch_stride, out_head_stride)
     Lse += batch_head.to(tl.int64) * seq_len
     Delta += batch_head.to(tl.int64) * seq_len
@@ -386,6 +389,7 @@ def _flash_attention_backward_dq_kernel(
     Q, K, V, Out, dOut, Lse, Delta, dQ, Cos, Sin,
     seq_len, num_heads, sm_scale,
     qkv_batch_stride, qkv_head_stride, qkv_row_stride, out_batch_stride, out_head_stride, out_row_stride,
+    k_offset, v_offset,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -402,8 +406,8 @@ def _flash_attention_backward_dq_kernel(
     batch_head = tl.program_id(1)
     qkv_start = _head_start(batch_head, num_heads, qkv_batch_stride, qkv_head_stride)
     Q += qkv_start
-    K += qkv_start
-    V += qkv_start
+    K += qkv_start + k_offset
+    V += qkv_start + v_offset
     dQ += qkv_start
     out_start = _head_start(batch_head, num_heads, out_batch_stride, out_head_stride)
     Lse += batch_head.to(tl.int64) * seq_len
@@ -549,10 +553,13 @@ class _Problem:
     causal: bool
     sm_scale: float
     precision: str       # tl.dot's input_precision
+    k_offset: int = 0    # packed layout: k (dk, the rotated k) starts D elements after q's pointer ...
+    v_offset: int = 0    # ... and v 2D after it; 0 for separate q, k, v tensors
 
     def scalar_args(self) -> tuple:
         """The scalar arguments of the forward, dk/dv and dq kernels, in their order."""
-        return (self.seq_len, self.heads, self.sm_scale, *self.qkv_strides, *self.out_strides)
+        return (self.seq_len, self.heads, self.sm_scale, *self.qkv_strides, *self.out_strides, self.k_offset,
+                self.v_offset)
 
 
 def _rope_tables(cos, sin, seq_len: int, device: torch.device):
@@ -663,16 +670,18 @@ class FlashAttentionPackedFunction(torch.autograd.Function):
         problem = _Problem(batch, num_heads, seq_len, head_dim,
                            qkv_strides=(seq_len * width, head_dim, width),
                            out_strides=(seq_len * dim, head_dim, dim),
-                           causal=causal, sm_scale=sm_scale, precision=_dot_precision(qkv.dtype, precise_fp32))
+                           causal=causal, sm_scale=sm_scale, precision=_dot_precision(qkv.dtype, precise_fp32),
+                           k_offset=dim, v_offset=2 * dim)
         cos, sin = _rope_tables(cos, sin, seq_len, qkv.device)
 
-        q, k, v = qkv.split(dim, dim=-1)  # views of the same memory, starting 0, D and 2D columns in
         out = _new_buffer((batch, seq_len, dim), qkv.dtype, qkv.device)
+        # q, k and v are all qkv: the problem's k_offset and v_offset say where k and v start.
         if cos is None:
-            lse = _run_forward(problem, q, k, v, out, cos, sin)
+            lse = _run_forward(problem, qkv, qkv, qkv, out, cos, sin)
         else:  # the kernel also writes [rotated q | rotated k | v] into a buffer like qkv: the backward's input
             qkv_rotated = _new_buffer(qkv.shape, qkv.dtype, qkv.device)
-            lse = _run_forward(problem, q, k, v, out, cos, sin, rotated=qkv_rotated.split(dim, dim=-1))
+            lse = _run_forward(problem, qkv, qkv, qkv, out, cos, sin,
+                               rotated=(qkv_rotated, qkv_rotated, qkv_rotated))
             qkv = qkv_rotated
         ctx.save_for_backward(qkv, out, lse, cos, sin)
         ctx.problem = problem
@@ -681,13 +690,10 @@ class FlashAttentionPackedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         qkv, out, lse, cos, sin = ctx.saved_tensors
-        problem = ctx.problem
-        dim = problem.heads * problem.head_dim
         grad_out = grad_out.contiguous()  # as in FlashAttentionFunction: read with out's strides
         grad_qkv = _new_buffer(qkv.shape, qkv.dtype, qkv.device)
-        q, k, v = qkv.split(dim, dim=-1)
-        dq, dk, dv = grad_qkv.split(dim, dim=-1)  # the kernels write straight into the three column blocks
-        _run_backward(problem, q, k, v, out, lse, cos, sin, grad_out, dq, dk, dv)
+        # The kernels write dq, dk, dv straight into the three column blocks of grad_qkv (offsets as forward).
+        _run_backward(ctx.problem, qkv, qkv, qkv, out, lse, cos, sin, grad_out, grad_qkv, grad_qkv, grad_qkv)
         # One gradient per forward input: qkv, then none for num_heads, causal, sm_scale, cos, sin, precise_fp32.
         return grad_qkv, None, None, None, None, None, None
 

@@ -10,7 +10,9 @@ Precision: x may be float32, float16 or bfloat16; the statistics are always comp
 in x's dtype. This equals PyTorch's
     (weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
-Layout: the wrappers view x [..., D] as a contiguous 2-D tensor [rows, D], so row r starts at r * D.
+Layout: x [..., D] is read as a contiguous 2-D tensor [rows, D], so row r starts at r * D. The launchers take it
+as it is, without building a 2-D view: at the workshop's seed size a training step is bound by the host, where
+each extra torch call (a view, an allocation) costs about as much time as launching a kernel.
 """
 
 import torch
@@ -139,11 +141,12 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
                      y: torch.Tensor | None = None, rstd: torch.Tensor | None = None):
     """Launch the forward kernel.
 
-    x: [rows, D] contiguous; weight: [D]. Returns (y [rows, D] in x.dtype, rstd [rows] float32).
+    x: [..., D] contiguous (read as [rows, D]); weight: [D]. Returns (y like x, rstd [rows] float32).
     y and rstd may be passed in (tests pass buffers filled with NaN to prove every element is written).
     """
-    assert x.dim() == 2 and x.is_contiguous(), "x must be a contiguous [rows, D] tensor"
-    n_rows, n_cols = x.shape
+    assert x.is_contiguous(), "x must be contiguous: the kernel reads row r at r * D"
+    n_cols = x.shape[-1]
+    n_rows = x.numel() // n_cols if n_cols else 0
     assert weight.shape == (n_cols,) and weight.is_contiguous()
     y = torch.empty_like(x) if y is None else y
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if rstd is None else rstd
@@ -162,11 +165,12 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
                       dx: torch.Tensor | None = None):
     """Launch the backward kernel, then add up the per-program partial sums of dweight.
 
-    dy, x: [rows, D] contiguous; weight: [D]; rstd: [rows] float32 from the forward pass.
-    Returns (dx [rows, D] in x.dtype, dweight [D] in weight.dtype). dx may be passed in.
+    dy, x: [..., D] contiguous; weight: [D]; rstd: [rows] float32 from the forward pass.
+    Returns (dx like x, dweight [D] in weight.dtype). dx may be passed in.
     """
     assert dy.shape == x.shape and dy.is_contiguous() and x.is_contiguous()
-    n_rows, n_cols = x.shape
+    n_cols = x.shape[-1]
+    n_rows = x.numel() // n_cols if n_cols else 0
     dx = torch.empty_like(x) if dx is None else dx
     assert dx.shape == x.shape and dx.is_contiguous()
     if n_rows == 0:
@@ -179,8 +183,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
         dy, x, weight, rstd, dx, dweight_partial, n_rows, n_cols,
         BLOCK_SIZE=block_size, BLOCK_ROWS=block_rows, num_warps=num_warps_for(block_rows * block_size, max_warps=8),
     )
-    dweight = dweight_partial.sum(dim=1).to(weight.dtype)
-    return dx, dweight
+    dweight = dweight_partial.sum(dim=1)
+    return dx, (dweight if dweight.dtype == weight.dtype else dweight.to(weight.dtype))
 
 
 # ------------------------------------------------------------------------------------------------ autograd
@@ -189,18 +193,17 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        # Any leading dimensions ([batch, seq, D], [tokens, D], ...) become rows of one 2-D tensor.
-        x_2d = x.reshape(-1, x.shape[-1]).contiguous()
-        y, rstd = rms_norm_forward(x_2d, weight, eps)
-        ctx.save_for_backward(x_2d, weight, rstd)
-        return y.view(x.shape)
+        # Any leading dimensions ([batch, seq, D], [tokens, D], ...): the kernels read rows of D elements.
+        x = x.contiguous()   # a no-op for the contiguous activations of the model
+        y, rstd = rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_2d, weight, rstd = ctx.saved_tensors
-        dy_2d = dy.reshape(x_2d.shape).contiguous()
-        dx, dweight = rms_norm_backward(dy_2d, x_2d, weight, rstd)
-        return dx.view(dy.shape), dweight, None
+        x, weight, rstd = ctx.saved_tensors
+        dx, dweight = rms_norm_backward(dy.contiguous(), x, weight, rstd)
+        return dx, dweight, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

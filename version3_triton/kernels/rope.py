@@ -100,6 +100,7 @@ def _rotate_rows(
 def _rope_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, cos_ptr, sin_ptr,
     n_q_rows, n_k_rows, seq_len, half, rows_per_position, position_stride,
+    tensor_offset,   # packed layout: q, k, v (and their outputs) start 0, D, 2D elements after their pointer
     INVERSE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -114,14 +115,15 @@ def _rope_kernel(
     """
     row_block = tl.program_id(0)
     tensor = tl.program_id(1)
+    offset = tensor * tensor_offset
     if tensor == 0:
-        _rotate_rows(q_ptr, q_out_ptr, cos_ptr, sin_ptr, row_block, n_q_rows, seq_len, half,
+        _rotate_rows(q_ptr + offset, q_out_ptr + offset, cos_ptr, sin_ptr, row_block, n_q_rows, seq_len, half,
                      rows_per_position, position_stride, INVERSE, False, BLOCK_ROWS, BLOCK_HALF)
     elif tensor == 1:
-        _rotate_rows(k_ptr, k_out_ptr, cos_ptr, sin_ptr, row_block, n_k_rows, seq_len, half,
+        _rotate_rows(k_ptr + offset, k_out_ptr + offset, cos_ptr, sin_ptr, row_block, n_k_rows, seq_len, half,
                      rows_per_position, position_stride, INVERSE, False, BLOCK_ROWS, BLOCK_HALF)
     else:  # v: as many rows as k
-        _rotate_rows(v_ptr, v_out_ptr, cos_ptr, sin_ptr, row_block, n_k_rows, seq_len, half,
+        _rotate_rows(v_ptr + offset, v_out_ptr + offset, cos_ptr, sin_ptr, row_block, n_k_rows, seq_len, half,
                      rows_per_position, position_stride, INVERSE, True, BLOCK_ROWS, BLOCK_HALF)
 
 
@@ -156,8 +158,9 @@ def _float32_tables(cos, sin, seq_len: int, head_dim: int):
 
 
 def _launch(tensors, outputs, cos, sin, n_q_rows, n_k_rows, seq_len, head_dim, rows_per_position,
-            position_stride, inverse: bool):
-    """One launch over (q, k) or (q, k, v): grid (row blocks, number of tensors)."""
+            position_stride, inverse: bool, tensor_offset: int = 0):
+    """One launch over (q, k) or (q, k, v): grid (row blocks, number of tensors). In the packed layout all of
+    them are the one qkv tensor (and its output) and tensor_offset = D says where k and v start."""
     n_rows = max(n_q_rows, n_k_rows)
     if n_rows == 0:
         return
@@ -171,7 +174,7 @@ def _launch(tensors, outputs, cos, sin, n_q_rows, n_k_rows, seq_len, head_dim, r
     grid = (triton.cdiv(n_rows, block_rows), len(tensors))
     _rope_kernel[grid](
         q, k, v, q_out, k_out, v_out, cos, sin, n_q_rows, n_k_rows, seq_len, half, rows_per_position,
-        position_stride,
+        position_stride, tensor_offset,
         INVERSE=inverse, BLOCK_ROWS=block_rows, BLOCK_HALF=block_half,
         num_warps=num_warps_for(2 * block_rows * block_half),
     )
@@ -202,10 +205,12 @@ def _launch_rope_packed(qkv, num_heads: int, cos, sin, out, inverse: bool):
     cos, sin = _float32_tables(cos, sin, seq_len, head_dim)
     out = torch.empty_like(qkv) if out is None else out
     assert out.shape == qkv.shape and out.is_contiguous() and out.dtype == qkv.dtype
-    # q, k and v of a token are the column blocks [0, D), [D, 2D), [2D, 3D) of its row: views that start there.
+    # q, k and v of a token are the column blocks [0, D), [D, 2D), [2D, 3D) of its row: the kernel finds them
+    # D and 2D elements after qkv's first element (offsets rather than views: a view is a torch call, and at
+    # the seed size the host's time per call is what a training step waits for).
     n_rows = batch * seq_len * num_heads
-    _launch(qkv.split(dim, dim=-1), out.split(dim, dim=-1), cos, sin, n_rows, n_rows, seq_len, head_dim,
-            rows_per_position=num_heads, position_stride=width, inverse=inverse)
+    _launch((qkv, qkv, qkv), (out, out, out), cos, sin, n_rows, n_rows, seq_len, head_dim,
+            rows_per_position=num_heads, position_stride=width, inverse=inverse, tensor_offset=dim)
     return out
 
 

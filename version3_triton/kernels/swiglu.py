@@ -8,7 +8,9 @@ Two layouts share the same kernels:
 - fused:    gate_up [..., 2F], gate = the first F columns, up = the last F. This is what the fused gate/up
   projection produces (one matmul with a [2F, hidden] weight). The kernel reads both halves in place: a row of
   gate starts at row * 2F, the matching row of up at row * 2F + F, so no slice is ever copied.
-The kernels only need to know the distance between rows of the inputs (F or 2F): that is `in_row_stride`.
+The kernels only need to know the distance between rows of the inputs (F or 2F): that is `in_row_stride`,
+and where up starts relative to gate's pointer: `up_offset` (F in the fused layout, where both pointers are
+gate_up; 0 for separate tensors).
 
 Backward, with s = sigmoid(g):
     d silu(g) / dg = s + g * s * (1 - s) = s * (1 + g * (1 - s))
@@ -33,15 +35,17 @@ def _swiglu_forward_kernel(
     out_ptr,            # [rows, F] contiguous
     n_cols,             # F
     in_row_stride,      # F (separate inputs) or 2F (fused gate_up)
+    up_offset,          # 0 (separate inputs) or F (fused: gate_ptr and up_ptr are both gate_up)
     BLOCK_SIZE: tl.constexpr,
 ):
     # Grid (rows, column blocks). int64 so that row * stride cannot overflow on large activations.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = cols < n_cols
+    in_offsets = row * in_row_stride + cols
 
-    gate = tl.load(gate_ptr + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + in_offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + up_offset + in_offsets, mask=mask, other=0.0).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up
     tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -53,6 +57,7 @@ def _swiglu_backward_kernel(
     dgate_ptr, dup_ptr,     # [rows, F] each, same layout as gate and up
     n_cols,
     in_row_stride,
+    up_offset,              # as in the forward kernel: for up and for dup
     BLOCK_SIZE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -62,7 +67,7 @@ def _swiglu_backward_kernel(
 
     dout = tl.load(dout_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr + in_offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + in_offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + up_offset + in_offsets, mask=mask, other=0.0).to(tl.float32)
 
     sig = tl.sigmoid(gate)
     silu = gate * sig
@@ -71,80 +76,73 @@ def _swiglu_backward_kernel(
     # For the fused layout dgate_ptr and dup_ptr point into the same [rows, 2F] tensor: the two halves of the
     # gradient of gate_up are written side by side, exactly as the forward read them.
     tl.store(dgate_ptr + in_offsets, dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
-    tl.store(dup_ptr + in_offsets, dup.to(dup_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + up_offset + in_offsets, dup.to(dup_ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------------------------------ launchers
+#
+# These run on every training step, and at the workshop's seed size a step is bound by the host, not the GPU:
+# each torch call made here (a view, a slice, an allocation) costs about as much host time as launching a
+# kernel. So the launchers pass base tensors and integer offsets to the kernels instead of building views of
+# the gate and up halves, and allocate only the outputs.
 
 # Columns one program handles. FFN widths are a few hundred to a few thousand: one or a few blocks per row.
 _MAX_BLOCK_SIZE = 1024
 
 
 def _launch_config(n_rows: int, n_cols: int):
+    """(grid, BLOCK_SIZE): one program per row and block of columns."""
     block_size = min(triton.next_power_of_2(n_cols), _MAX_BLOCK_SIZE)
-    grid = (n_rows, triton.cdiv(n_cols, block_size))
-    return grid, block_size
+    return (n_rows, triton.cdiv(n_cols, block_size)), block_size
 
 
-def _check_halves(gate, up):
-    """gate and up: [rows, F] views with the same row stride and adjacent columns (separate or fused)."""
-    assert gate.shape == up.shape and gate.dim() == 2 and gate.dtype == up.dtype
-    assert gate.stride() == up.stride() and gate.stride(1) == 1, "rows of gate and up must be laid out alike"
-
-
-def _swiglu_forward_2d(gate, up, out):
-    _check_halves(gate, up)
-    n_rows, n_cols = gate.shape
-    out = torch.empty(n_rows, n_cols, dtype=gate.dtype, device=gate.device) if out is None else out
-    assert out.shape == (n_rows, n_cols) and out.is_contiguous()
-    if out.numel() == 0:
-        return out
+def _launch_forward(gate, up, out, n_rows: int, n_cols: int, in_row_stride: int, up_offset: int):
+    if n_rows == 0 or n_cols == 0:
+        return
     grid, block_size = _launch_config(n_rows, n_cols)
     _swiglu_forward_kernel[grid](
-        gate, up, out, n_cols, gate.stride(0),
+        gate, up, out, n_cols, in_row_stride, up_offset,
         BLOCK_SIZE=block_size, num_warps=num_warps_for(block_size),
     )
-    return out
 
 
-def _swiglu_backward_2d(dout, gate, up, dgate, dup):
-    _check_halves(gate, up)
-    _check_halves(dgate, dup)
-    assert dgate.stride() == gate.stride() and dout.shape == gate.shape and dout.is_contiguous()
-    if dout.numel() == 0:
+def _launch_backward(dout, gate, up, dgate, dup, n_rows: int, n_cols: int, in_row_stride: int, up_offset: int):
+    if n_rows == 0 or n_cols == 0:
         return
-    n_rows, n_cols = gate.shape
     grid, block_size = _launch_config(n_rows, n_cols)
     _swiglu_backward_kernel[grid](
-        dout, gate, up, dgate, dup, n_cols, gate.stride(0),
+        dout, gate, up, dgate, dup, n_cols, in_row_stride, up_offset,
         BLOCK_SIZE=block_size, num_warps=num_warps_for(block_size),
     )
+
+
+def _check_output(out, shape, dtype) -> None:
+    assert out.shape == shape and out.dtype == dtype and out.is_contiguous(), \
+        f"output buffer must be contiguous {tuple(shape)} {dtype}, got {tuple(out.shape)} {out.dtype}"
 
 
 def swiglu_forward(gate, up, out=None):
     """silu(gate) * up for gate, up [..., F] (contiguous). Returns out [..., F]; out may be passed in."""
-    assert gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape
+    assert gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape and gate.dtype == up.dtype
+    out = torch.empty_like(gate) if out is None else out
+    _check_output(out, gate.shape, gate.dtype)
     n_cols = gate.shape[-1]
-    out_2d = None if out is None else out.view(-1, n_cols)
-    out_2d = _swiglu_forward_2d(gate.view(-1, n_cols), up.view(-1, n_cols), out_2d)
-    return out_2d.view(gate.shape)
+    _launch_forward(gate, up, out, gate.numel() // max(n_cols, 1), n_cols, in_row_stride=n_cols, up_offset=0)
+    return out
 
 
 def swiglu_backward(dout, gate, up, dgate=None, dup=None):
     """Gradients (dgate, dup), each [..., F], from dout [..., F]. dgate and dup may be passed in."""
     assert dout.is_contiguous() and gate.is_contiguous() and up.is_contiguous()
+    assert dout.shape == gate.shape == up.shape
     dgate = torch.empty_like(gate) if dgate is None else dgate
     dup = torch.empty_like(up) if dup is None else dup
+    _check_output(dgate, gate.shape, gate.dtype)
+    _check_output(dup, up.shape, up.dtype)
     n_cols = gate.shape[-1]
-    _swiglu_backward_2d(dout.view(-1, n_cols), gate.view(-1, n_cols), up.view(-1, n_cols),
-                        dgate.view(-1, n_cols), dup.view(-1, n_cols))
+    _launch_backward(dout, gate, up, dgate, dup, gate.numel() // max(n_cols, 1), n_cols, in_row_stride=n_cols,
+                     up_offset=0)
     return dgate, dup
-
-
-def _split_halves(gate_up_2d):
-    """Views (not copies) of the gate and up halves of a [rows, 2F] tensor."""
-    n_cols = gate_up_2d.shape[1] // 2
-    return gate_up_2d[:, :n_cols], gate_up_2d[:, n_cols:]
 
 
 def swiglu_fused_forward(gate_up, out=None):
@@ -152,20 +150,24 @@ def swiglu_fused_forward(gate_up, out=None):
     assert gate_up.is_contiguous() and gate_up.shape[-1] % 2 == 0, "gate_up must be contiguous [..., 2F]"
     n_cols = gate_up.shape[-1] // 2
     out_shape = gate_up.shape[:-1] + (n_cols,)
-    gate, up = _split_halves(gate_up.view(-1, 2 * n_cols))
-    out_2d = None if out is None else out.view(-1, n_cols)
-    return _swiglu_forward_2d(gate, up, out_2d).view(out_shape)
+    out = gate_up.new_empty(out_shape) if out is None else out
+    _check_output(out, out_shape, gate_up.dtype)
+    # gate and up are both read from gate_up: row r of gate starts at r * 2F, row r of up F elements later.
+    _launch_forward(gate_up, gate_up, out, out.numel() // max(n_cols, 1), n_cols, in_row_stride=2 * n_cols,
+                    up_offset=n_cols)
+    return out
 
 
 def swiglu_fused_backward(dout, gate_up, dgate_up=None):
     """Gradient of gate_up [..., 2F] (one tensor, gate half then up half) from dout [..., F]."""
     assert dout.is_contiguous() and gate_up.is_contiguous()
-    dgate_up = torch.empty_like(gate_up) if dgate_up is None else dgate_up
-    assert dgate_up.shape == gate_up.shape and dgate_up.is_contiguous()
     n_cols = gate_up.shape[-1] // 2
-    gate, up = _split_halves(gate_up.view(-1, 2 * n_cols))
-    dgate, dup = _split_halves(dgate_up.view(-1, 2 * n_cols))
-    _swiglu_backward_2d(dout.view(-1, n_cols), gate, up, dgate, dup)
+    assert dout.shape == gate_up.shape[:-1] + (n_cols,), "dout must be [..., F] for gate_up [..., 2F]"
+    dgate_up = torch.empty_like(gate_up) if dgate_up is None else dgate_up
+    _check_output(dgate_up, gate_up.shape, gate_up.dtype)
+    # The two halves of the gradient are written side by side into dgate_up, as the forward read gate_up.
+    _launch_backward(dout, gate_up, gate_up, dgate_up, dgate_up, dout.numel() // max(n_cols, 1), n_cols,
+                     in_row_stride=2 * n_cols, up_offset=n_cols)
     return dgate_up
 
 

@@ -85,13 +85,18 @@ class WeightGradientStream:
     backward queues its weight GEMM here (writing weight.grad itself and handing autograd no weight gradient);
     `join()`, at the very end of the backward pass, makes the main stream wait for all of them.
 
+    Memory: a queued GEMM's operands (grad_y and x) must live until it has run. They are kept here, and once
+    more than `max_pending` GEMMs are queued the main stream waits for the oldest one and lets its operands go,
+    so at most about one layer's operands are held (the oldest GEMM has usually finished by then anyway).
+
     Used by the graph-captured step (a CUDA/HIP graph records both streams and the events between them). Not
     under data parallel: DDP starts its all-reduces from autograd's gradient hooks, which this bypasses.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, max_pending: int = 4):
         self.stream = torch.cuda.Stream(device)
-        self.in_use = []   # operands of queued GEMMs: kept alive until the main stream has waited for them
+        self.max_pending = max_pending
+        self.pending = []   # (event after the GEMM, grad_y, x), oldest first
 
     def queue(self, weight: torch.Tensor, grad_y: torch.Tensor, x: torch.Tensor) -> None:
         """weight.grad (+)= grad_y^T @ x on the side stream; grad_y: [rows, out], x: [rows, in]."""
@@ -106,11 +111,16 @@ class WeightGradientStream:
                 matmul_to_float32(grad_y.T, x, out=weight.grad)
             else:
                 accumulate_matmul(weight.grad, grad_y.T, x)
-        self.in_use += [grad_y, x]
+            done = torch.cuda.Event()
+            done.record()
+        self.pending.append((done, grad_y, x))
+        while len(self.pending) > self.max_pending:
+            oldest_done = self.pending.pop(0)[0]
+            main.wait_event(oldest_done)   # later main-stream work may now reuse the oldest operands' memory
 
     def join(self) -> None:
         torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-        self.in_use.clear()   # safe now: later work on the main stream is ordered after the side stream's
+        self.pending.clear()   # safe now: later work on the main stream is ordered after the side stream's
 
 
 class JoinWeightGradients(torch.autograd.Function):

@@ -46,3 +46,13 @@ def graph_counting_backend():
     torch._dynamo.reset()   # graphs cached by an earlier test would not be handed over again
     yield backend, graphs
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def restore_tf32_switches():
+    """Each test starts and ends with the same TF32 settings. The training scripts switch TF32 on for their whole
+    process (version 4's --tf32 default); run inside pytest, that would leak into the float32 kernel tests that
+    follow, whose tolerances assume IEEE float32 matmuls."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

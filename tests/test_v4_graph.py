@@ -56,7 +56,8 @@ def gradients_after_backward(config, inputs, targets, amp: bool, stream: bool, b
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             _, loss = model(inputs, targets)
         loss.backward()
-    # Read on the main stream right after backward(): the join must have ordered it after the side stream.
+        model.join_weight_gradients()
+    # Read on the main stream right after the join, which must have ordered it after the side stream.
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
@@ -75,3 +76,26 @@ def test_weight_gradients_on_a_second_stream_equal_autograds(amp, backward_passe
     for name in want:
         # The same GEMMs on another stream; only the embedding's atomic scatter-add may sum in another order.
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+def test_graph_with_a_frozen_embedding_trains_like_the_eager_step():
+    """The streams are joined by the step itself, so a backward pass that never reaches the embedding (frozen
+    here) still waits for every weight-gradient GEMM before the optimizer, in the graph as in eager mode."""
+    from tinytransformer.config import ModelConfig, TrainConfig
+    from tinytransformer.trainer import EagerStep
+    from version4_triton_ultra.tiny_llama_v4 import GraphedStep, TinyLlama
+    config, train = ModelConfig(num_layers=2), TrainConfig(batch_size=8, seq_len=128)
+    torch.manual_seed(0)
+    batches = [torch.randint(0, config.vocab_size, (8, 129), device="cuda") for _ in range(8)]
+    losses = {}
+    for graphed in (True, False):
+        model = TinyLlama(config).cuda()
+        model.capturable_optimizer = True
+        model.embed_tokens.weight.requires_grad_(False)
+        optimizer = model.configure_optimizer(train)
+        step = (GraphedStep(model, optimizer, torch.device("cuda"), train, warmup_steps=2) if graphed
+                else EagerStep(model, optimizer, torch.device("cuda"), train))
+        losses[graphed] = [step(b[:, :-1].contiguous(), b[:, 1:].contiguous()).item() for b in batches]
+    for g, e in zip(losses[True], losses[False]):
+        assert g == pytest.approx(e, rel=1e-3)

@@ -52,7 +52,7 @@ def test_weight_gradient_stream_needs_a_gpu():
     with pytest.raises(ValueError, match="needs a GPU"):
         model.use_weight_gradient_stream()
     model.use_weight_gradient_stream(False)   # switching it off is always possible
-    assert all(projection.weight_grads is None for projection in model.projections)
+    assert all(projection.weight_grad_stream is None for projection in model.projections)
 
 
 def test_projection_under_autocast_equals_nn_linear():
@@ -85,3 +85,14 @@ def test_refreshed_copies_follow_the_weights_and_reuse_their_memory():
         torch.testing.assert_close(projection.weight16.float(), projection.weight.detach(), rtol=1e-2, atol=1e-2)
     model.refresh_16bit_weights(None)
     assert all(projection.weight16 is None for projection in model.projections)
+
+
+def test_matmul_to_float32_refuses_an_output_it_cannot_fill():
+    from version4_triton_ultra.kernels.linear_cross_entropy import matmul_to_float32
+    a, b = torch.randn(4, 3), torch.randn(3, 5)
+    out = torch.empty(4, 5)
+    assert matmul_to_float32(a, b, out=out) is out
+    torch.testing.assert_close(out, a @ b)
+    for bad in (torch.empty(4, 5, dtype=torch.bfloat16), torch.empty(5, 4)):
+        with pytest.raises(ValueError, match="out must be float32"):
+            matmul_to_float32(a, b, out=bad)

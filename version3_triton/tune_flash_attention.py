@@ -80,7 +80,8 @@ def parse_args(argv):
 
 
 class Problem:
-    """Inputs and outputs of the three kernels for one shape, laid out as version 4 uses them."""
+    """Inputs and outputs of the three kernels for one shape, laid out as version 4 uses them (the same memory;
+    k and v are passed as views of qkv with offsets 0, where the library passes qkv with k_offset, v_offset)."""
 
     def __init__(self, fa, batch, heads, seq_len, head_dim, dtype, device="cuda"):
         from version3_triton.kernels.rope import rope_tables

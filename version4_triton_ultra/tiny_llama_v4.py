@@ -83,7 +83,9 @@ class WeightGradientStream:
     GEMM occupies a fraction of the GPU's SMs, so the weight GEMMs can run at the same time as the chain of
     input-gradient GEMMs, norms and attention backwards instead of after each of them. Each projection's
     backward queues its weight GEMM here (writing weight.grad itself and handing autograd no weight gradient);
-    `join()`, at the very end of the backward pass, makes the main stream wait for all of them.
+    `join()`, which the training step calls right after loss.backward(), makes the main stream wait for all of
+    them before the optimizer reads the gradients. (So it serves a plain loss.backward() of the whole model:
+    `backward(inputs=...)` and `torch.autograd.grad` would not see these gradients.)
 
     Memory: a queued GEMM's operands (grad_y and x) must live until it has run. They are kept here, and once
     more than `max_pending` GEMMs are queued the main stream waits for the oldest one and lets its operands go,
@@ -100,6 +102,8 @@ class WeightGradientStream:
 
     def queue(self, weight: torch.Tensor, grad_y: torch.Tensor, x: torch.Tensor) -> None:
         """weight.grad (+)= grad_y^T @ x on the side stream; grad_y: [rows, out], x: [rows, in]."""
+        if weight.dtype != torch.float32 or (weight.grad is not None and weight.grad.dtype != torch.float32):
+            raise ValueError("the weight-gradient stream writes float32 gradients of float32 weights")
         main = torch.cuda.current_stream(weight.device)
         first = weight.grad is None   # else a second backward before the optimizer step: accumulate
         if first:
@@ -115,27 +119,13 @@ class WeightGradientStream:
             done.record()
         self.pending.append((done, grad_y, x))
         while len(self.pending) > self.max_pending:
-            oldest_done = self.pending.pop(0)[0]
-            main.wait_event(oldest_done)   # later main-stream work may now reuse the oldest operands' memory
+            oldest_done, oldest_grad_y, oldest_x = self.pending.pop(0)
+            main.wait_event(oldest_done)
+            del oldest_grad_y, oldest_x   # only now: later main-stream work may reuse their memory
 
     def join(self) -> None:
         torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
         self.pending.clear()   # safe now: later work on the main stream is ordered after the side stream's
-
-
-class JoinWeightGradients(torch.autograd.Function):
-    """Identity on the embedding output. The backward pass reaches it after every layer's backward (they all
-    depend on it), so its backward is where the main stream waits for the queued weight-gradient GEMMs."""
-
-    @staticmethod
-    def forward(ctx, h, weight_grads):
-        ctx.weight_grads = weight_grads
-        return h.view_as(h)
-
-    @staticmethod
-    def backward(ctx, grad_h):
-        ctx.weight_grads.join()
-        return grad_h, None
 
 
 class ProjectionMatmul(torch.autograd.Function):
@@ -148,10 +138,10 @@ class ProjectionMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, gemm_weight, weight_grads):
+    def forward(ctx, x, weight, gemm_weight, weight_grad_stream):
         x = x.to(gemm_weight.dtype)
         ctx.save_for_backward(x, gemm_weight)
-        ctx.weight, ctx.weight_grads = weight, weight_grads
+        ctx.weight, ctx.weight_grad_stream = weight, weight_grad_stream
         return x @ gemm_weight.T
 
     @staticmethod
@@ -161,10 +151,10 @@ class ProjectionMatmul(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_y_rows, x_rows = grad_y.reshape(-1, grad_y.shape[-1]), x.reshape(-1, x.shape[-1])
-            if ctx.weight_grads is None:
+            if ctx.weight_grad_stream is None:
                 grad_weight = matmul_to_float32(grad_y_rows.T, x_rows)
             else:
-                ctx.weight_grads.queue(ctx.weight, grad_y_rows, x_rows)
+                ctx.weight_grad_stream.queue(ctx.weight, grad_y_rows, x_rows)
         return grad_x, grad_weight, None, None
 
 
@@ -176,14 +166,14 @@ class Projection(nn.Linear):
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
         self.weight16 = None
-        self.weight_grads = None   # a WeightGradientStream, or None: autograd computes the weight gradient
+        self.weight_grad_stream = None   # a WeightGradientStream, or None: autograd computes the weight gradient
 
     def forward(self, x):
         autocast = torch.is_autocast_enabled(x.device.type)
         if autocast and self.weight16 is not None:
-            return ProjectionMatmul.apply(x, self.weight, self.weight16, self.weight_grads)
-        if not autocast and self.weight_grads is not None:
-            return ProjectionMatmul.apply(x, self.weight, self.weight, self.weight_grads)
+            return ProjectionMatmul.apply(x, self.weight, self.weight16, self.weight_grad_stream)
+        if not autocast and self.weight_grad_stream is not None:
+            return ProjectionMatmul.apply(x, self.weight, self.weight, self.weight_grad_stream)
         return super().forward(x)
 
 
@@ -278,7 +268,7 @@ class TinyLlama(nn.Module):
         self.lm_head = Projection(config.hidden_dim, config.vocab_size)
         self.projections = [m for m in self.modules() if isinstance(m, Projection)]
         self.weights16 = []   # the 16-bit copies of the projection weights, reused from step to step
-        self.weight_grads = None   # a WeightGradientStream once use_weight_gradient_stream() is called
+        self.weight_grad_stream = None   # a WeightGradientStream once use_weight_gradient_stream() is called
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -303,22 +293,27 @@ class TinyLlama(nn.Module):
             projection.weight16 = weight16
 
     def use_weight_gradient_stream(self, enabled: bool = True) -> None:
-        """Compute the projections' weight gradients on a second stream (see WeightGradientStream); GPU only."""
+        """Compute the projections' weight gradients on a second stream (see WeightGradientStream); GPU only.
+        The caller must then call join_weight_gradients() after each loss.backward()."""
         device = self.embed_tokens.weight.device
         if enabled and device.type != "cuda":
             raise ValueError("a second stream for the weight gradients needs a GPU")
-        self.weight_grads = WeightGradientStream(device) if enabled else None
+        self.weight_grad_stream = WeightGradientStream(device) if enabled else None
         for projection in self.projections:
             if projection is not self.lm_head:   # the fused loss computes the head's gradient itself
-                projection.weight_grads = self.weight_grads
+                projection.weight_grad_stream = self.weight_grad_stream
+
+    def join_weight_gradients(self) -> None:
+        """After loss.backward(): the main stream waits for the weight-gradient GEMMs still running on the second
+        stream, so that the optimizer reads finished gradients. Nothing to do without the stream."""
+        if self.weight_grad_stream is not None:
+            self.weight_grad_stream.join()
 
     def forward(self, input_ids, targets=None):
         seq = input_ids.shape[1]
         self.refresh_16bit_weights(gemm_input_dtype(input_ids.device.type))
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = EmbeddingLookup.apply(input_ids, self.embed_tokens.weight)
-        if self.weight_grads is not None and torch.is_grad_enabled():
-            h = JoinWeightGradients.apply(h, self.weight_grads)   # the end of the backward pass
         with profile_range("rmsnorm"):
             h, normed = add_rms_norm(h, None, self.layers[0].attention_norm.weight, self.config.rms_norm_eps,
                                      normed_dtype=gemm_input_dtype(h.device.type))
@@ -374,8 +369,9 @@ class GraphedStep:
     count) and they make every lazy allocation (optimizer state, cuBLAS workspaces, Triton compilation) happen
     before the capture, as graph capture requires. Then the step is captured reading its batch from static
     buffers; each later call copies the batch in and replays the graph. The loss stays on the device: the
-    trainer reads it only when it prints. With `weight_gradient_stream` the graph holds two streams: the
-    projections' weight-gradient GEMMs run beside the rest of the backward pass (WeightGradientStream).
+    trainer reads it only when it prints. With `weight_gradient_stream` (the default) the graph holds two
+    streams: the projections' weight-gradient GEMMs run beside the rest of the backward pass (this switches the
+    model's WeightGradientStream on or off).
     """
 
     supports_breakdown = False
@@ -396,6 +392,7 @@ class GraphedStep:
                 _, loss = self.model(inputs, targets)
         with profile_range("backward"):
             loss.backward()
+            self.model.join_weight_gradients()   # with the second stream: its GEMMs finish before the optimizer
         with profile_range("optimizer"):
             self.optimizer.step()
         return loss.detach()
@@ -479,6 +476,9 @@ def make_step(model, optimizer, device, train, args):
 def describe(args) -> dict:
     on_gpu = torch.cuda.is_available() and args.device != "cpu"
     step = "CUDA/HIP graph replay" if (on_gpu and args.cuda_graph) else "eager launches"
+    if on_gpu and args.cuda_graph:
+        second = getattr(args, "weight_grad_stream", True)
+        step += ", weight gradients on " + ("a second stream" if second else "the main stream")
     if interpreter_active():
         step += " (Triton interpreter on the CPU: slow, for correctness)"
     return {"step": step, "matmuls": "TF32 tensor cores for float32" if args.tf32 else "exact float32"}

@@ -84,8 +84,9 @@ FILL_NEW_BUFFERS_WITH_NAN = False
 #
 # In the packed layout the wrapper passes qkv itself as q, k and v (and its gradient as dq, dk and dv), and the
 # kernels add k_offset = D and v_offset = 2D elements for k and v: offsets rather than three views of qkv,
-# because each view is a torch call, and at the seed size a training step waits for the host's calls. q, k, v, dq, dk, dv, and the rotated q, k (and v) that the forward saves with RoPE, share one set
-# of strides (the "qkv" strides); out and d(out) share another.
+# because each view is a torch call, and at the seed size a training step waits for the host's calls.
+# q, k, v, dq, dk, dv, and the rotated q, k (and v) that the forward saves with RoPE, share one set of strides
+# (the "qkv" strides); out and d(out) share another.
 # The RoPE tables are plain contiguous [S, Dh] matrices: row stride Dh.
 
 
@@ -570,8 +571,9 @@ def _rope_tables(cos, sin, seq_len: int, device: torch.device):
 
 
 def _run_forward(problem: _Problem, q, k, v, out, cos, sin, rotated=None) -> torch.Tensor:
-    """Fill out from q, k, v (tensors whose data pointer is element (0, 0, 0, 0) of their operand, laid out as
-    `problem` says). Returns lse: [B*H, S] float32.
+    """Fill out from q, k, v, laid out as `problem` says: element (0, 0, 0, 0) of q is q's first element, those of
+    k and v lie problem.k_offset and problem.v_offset elements after the first element of k and v (the packed
+    layout passes qkv itself three times; separate tensors use offsets 0). Returns lse: [B*H, S] float32.
 
     With RoPE (cos given), `rotated` = (q_rot, k_rot, v_copy) laid out like q, k, v: the kernel fills q_rot and
     k_rot with the rotated q and k, and v_copy (unless it is None) with v, for the backward pass.

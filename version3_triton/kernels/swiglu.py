@@ -134,7 +134,7 @@ def swiglu_forward(gate, up, out=None):
 def swiglu_backward(dout, gate, up, dgate=None, dup=None):
     """Gradients (dgate, dup), each [..., F], from dout [..., F]. dgate and dup may be passed in."""
     assert dout.is_contiguous() and gate.is_contiguous() and up.is_contiguous()
-    assert dout.shape == gate.shape == up.shape
+    assert dout.shape == gate.shape == up.shape and gate.dtype == up.dtype
     dgate = torch.empty_like(gate) if dgate is None else dgate
     dup = torch.empty_like(up) if dup is None else dup
     _check_output(dgate, gate.shape, gate.dtype)
@@ -160,7 +160,7 @@ def swiglu_fused_forward(gate_up, out=None):
 
 def swiglu_fused_backward(dout, gate_up, dgate_up=None):
     """Gradient of gate_up [..., 2F] (one tensor, gate half then up half) from dout [..., F]."""
-    assert dout.is_contiguous() and gate_up.is_contiguous()
+    assert dout.is_contiguous() and gate_up.is_contiguous() and gate_up.shape[-1] % 2 == 0
     n_cols = gate_up.shape[-1] // 2
     assert dout.shape == gate_up.shape[:-1] + (n_cols,), "dout must be [..., F] for gate_up [..., 2F]"
     dgate_up = torch.empty_like(gate_up) if dgate_up is None else dgate_up

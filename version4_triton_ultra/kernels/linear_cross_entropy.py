@@ -243,6 +243,9 @@ def matmul_to_float32(a, b, out=None):
     On a GPU, one GEMM that accumulates in float32 and writes float32 (torch.mm's out_dtype, where this
     torch build has it); otherwise the 16-bit product is rounded to 16 bits first and then widened, which
     costs a second kernel and some precision."""
+    if out is not None and (out.dtype != torch.float32 or out.shape != (a.shape[0], b.shape[1])):
+        # Checked here, not left to torch: an error inside the try below would switch the one-GEMM path off.
+        raise ValueError(f"out must be float32 [{a.shape[0]}, {b.shape[1]}]; got {out.dtype} {tuple(out.shape)}")
     if a.dtype == torch.float32:
         return torch.mm(a, b, out=out)
     if a.is_cuda and _FLOAT32_OUTPUT_MATMUL["supported"]:

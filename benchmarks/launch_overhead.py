@@ -102,15 +102,19 @@ def instrument_version3(clock: HostClock) -> None:
     JITFunction.run = timed_launch
 
 
+IN_STEP_WARMUP = 20   # untimed steps before the timed ones: compilation, allocator growth
+
+
 def host_ms_per_phase(model, steps: int) -> dict:
-    """Median host milliseconds of zero_grad + forward, backward and the optimizer step over `steps` steps."""
+    """Median host milliseconds of zero_grad + forward, backward and the optimizer step over `steps` steps
+    (after IN_STEP_WARMUP untimed ones)."""
     from tinytransformer.config import ModelConfig
     config = ModelConfig()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
     tokens = torch.randint(0, config.vocab_size, (8, 129), device="cuda")
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     phases = collections.defaultdict(list)
-    for step in range(20 + steps):   # 20 warm-up steps: compilation, allocator growth
+    for step in range(IN_STEP_WARMUP + steps):
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         _, loss = model(inputs, targets)
@@ -119,7 +123,7 @@ def host_ms_per_phase(model, steps: int) -> dict:
         t2 = time.perf_counter()
         optimizer.step()
         t3 = time.perf_counter()
-        if step >= 20:
+        if step >= IN_STEP_WARMUP:
             for phase, seconds in (("forward", t1 - t0), ("backward", t2 - t1), ("optimizer", t3 - t2)):
                 phases[phase].append(seconds * 1e3)
     torch.cuda.synchronize()
@@ -142,7 +146,7 @@ def in_step_tables(steps: int) -> None:
     host_ms_per_phase(model, 5)   # warm the wrappers
     clock.reset()
     host_ms_per_phase(model, steps)
-    steps_timed = steps + 20
+    steps_timed = IN_STEP_WARMUP + steps   # the wrappers count every step, warm-up included
     print(f"\nversion 3, host time inside each call (instrumented run, {steps_timed} steps):")
     print(f"{'':<52} {'calls/step':>10} {'us/call':>8} {'ms/step':>8}")
     for label in sorted(clock.seconds, key=lambda key: -clock.seconds[key]):

@@ -477,8 +477,7 @@ def describe(args) -> dict:
     on_gpu = torch.cuda.is_available() and args.device != "cpu"
     step = "CUDA/HIP graph replay" if (on_gpu and args.cuda_graph) else "eager launches"
     if on_gpu and args.cuda_graph:
-        second = getattr(args, "weight_grad_stream", True)
-        step += ", weight gradients on " + ("a second stream" if second else "the main stream")
+        step += ", weight gradients on " + ("a second stream" if args.weight_grad_stream else "the main stream")
     if interpreter_active():
         step += " (Triton interpreter on the CPU: slow, for correctness)"
     return {"step": step, "matmuls": "TF32 tensor cores for float32" if args.tf32 else "exact float32"}

@@ -96,20 +96,22 @@ def _launch_config(n_rows: int, n_cols: int):
     return (n_rows, triton.cdiv(n_cols, block_size)), block_size
 
 
-def _launch_forward(gate, up, out, n_rows: int, n_cols: int, in_row_stride: int, up_offset: int):
-    if n_rows == 0 or n_cols == 0:
+def _launch_forward(gate, up, out, n_cols: int, in_row_stride: int, up_offset: int):
+    """out [rows, F] (any leading dimensions, contiguous) = silu(gate) * up."""
+    if out.numel() == 0:
         return
-    grid, block_size = _launch_config(n_rows, n_cols)
+    grid, block_size = _launch_config(out.numel() // n_cols, n_cols)
     _swiglu_forward_kernel[grid](
         gate, up, out, n_cols, in_row_stride, up_offset,
         BLOCK_SIZE=block_size, num_warps=num_warps_for(block_size),
     )
 
 
-def _launch_backward(dout, gate, up, dgate, dup, n_rows: int, n_cols: int, in_row_stride: int, up_offset: int):
-    if n_rows == 0 or n_cols == 0:
+def _launch_backward(dout, gate, up, dgate, dup, n_cols: int, in_row_stride: int, up_offset: int):
+    """dgate, dup from dout [rows, F] (any leading dimensions, contiguous)."""
+    if dout.numel() == 0:
         return
-    grid, block_size = _launch_config(n_rows, n_cols)
+    grid, block_size = _launch_config(dout.numel() // n_cols, n_cols)
     _swiglu_backward_kernel[grid](
         dout, gate, up, dgate, dup, n_cols, in_row_stride, up_offset,
         BLOCK_SIZE=block_size, num_warps=num_warps_for(block_size),
@@ -127,7 +129,7 @@ def swiglu_forward(gate, up, out=None):
     out = torch.empty_like(gate) if out is None else out
     _check_output(out, gate.shape, gate.dtype)
     n_cols = gate.shape[-1]
-    _launch_forward(gate, up, out, gate.numel() // max(n_cols, 1), n_cols, in_row_stride=n_cols, up_offset=0)
+    _launch_forward(gate, up, out, n_cols, in_row_stride=n_cols, up_offset=0)
     return out
 
 
@@ -140,8 +142,7 @@ def swiglu_backward(dout, gate, up, dgate=None, dup=None):
     _check_output(dgate, gate.shape, gate.dtype)
     _check_output(dup, up.shape, up.dtype)
     n_cols = gate.shape[-1]
-    _launch_backward(dout, gate, up, dgate, dup, gate.numel() // max(n_cols, 1), n_cols, in_row_stride=n_cols,
-                     up_offset=0)
+    _launch_backward(dout, gate, up, dgate, dup, n_cols, in_row_stride=n_cols, up_offset=0)
     return dgate, dup
 
 
@@ -153,8 +154,7 @@ def swiglu_fused_forward(gate_up, out=None):
     out = gate_up.new_empty(out_shape) if out is None else out
     _check_output(out, out_shape, gate_up.dtype)
     # gate and up are both read from gate_up: row r of gate starts at r * 2F, row r of up F elements later.
-    _launch_forward(gate_up, gate_up, out, out.numel() // max(n_cols, 1), n_cols, in_row_stride=2 * n_cols,
-                    up_offset=n_cols)
+    _launch_forward(gate_up, gate_up, out, n_cols, in_row_stride=2 * n_cols, up_offset=n_cols)
     return out
 
 
@@ -166,8 +166,8 @@ def swiglu_fused_backward(dout, gate_up, dgate_up=None):
     dgate_up = torch.empty_like(gate_up) if dgate_up is None else dgate_up
     _check_output(dgate_up, gate_up.shape, gate_up.dtype)
     # The two halves of the gradient are written side by side into dgate_up, as the forward read gate_up.
-    _launch_backward(dout, gate_up, gate_up, dgate_up, dgate_up, dout.numel() // max(n_cols, 1), n_cols,
-                     in_row_stride=2 * n_cols, up_offset=n_cols)
+    _launch_backward(dout, gate_up, gate_up, dgate_up, dgate_up, n_cols, in_row_stride=2 * n_cols,
+                     up_offset=n_cols)
     return dgate_up
 
 

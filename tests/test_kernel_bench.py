@@ -36,6 +36,7 @@ EXPECTED_TENSORS = {
     "flash_attention": ["out", "grad q", "grad k", "grad v"],
     "add_rmsnorm": ["h", "normed", "grad residual", "grad delta", "grad weight"],
     "linear_cross_entropy": ["loss", "grad hidden", "grad weight"],
+    "embedding": ["rows", "grad weight"],
 }
 
 
@@ -311,7 +312,7 @@ def test_bad_input_is_one_line_and_exit_2(flags, capsys):
 def test_bad_input_v4(capsys):
     assert v4.main(["--kernel", "rope"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("run_kernel_benchmarks.py: error:") and "add_rmsnorm, linear_cross_entropy" in err
+    assert err.startswith("run_kernel_benchmarks.py: error:") and "add_rmsnorm, linear_cross_entropy, embedding" in err
 
 
 @CPU_ONLY

@@ -5,9 +5,9 @@ time, speed-up and the Triton op's achieved bandwidth.
     python run_kernel_benchmarks.py --check --output-json kernels_v4.json
     python run_kernel_benchmarks.py --dtype bfloat16 --batch-size 64 --seq-len 1024 --vocab-size 32000
 
-Ops: add_rmsnorm (residual add + RMSNorm in one kernel, against the add and RMSNorm in PyTorch) and
+Ops: add_rmsnorm (residual add + RMSNorm in one kernel, against the add and RMSNorm in PyTorch),
 linear_cross_entropy (output head + cross-entropy in chunks, against the lm_head matmul + F.cross_entropy in
-float32). Version 3's kernels (rmsnorm, rope, swiglu, flash_attention) are in
+float32) and embedding (the token lookup whose backward is one scatter-add kernel, against F.embedding). Version 3's kernels (rmsnorm, rope, swiglu, flash_attention) are in
 version3_triton/run_triton_profiling.py. Without a GPU there is nothing to time: `--check` then verifies the
 ops in Triton's CPU interpreter at a small size.
 
@@ -28,6 +28,7 @@ enable_interpreter_if_no_gpu()  # without a GPU: Triton's interpreter, chosen be
 
 from tinytransformer import kernel_bench as kb  # noqa: E402
 from version4_triton_ultra.kernels.add_rmsnorm import MAX_FEATURES, add_rms_norm  # noqa: E402
+from version4_triton_ultra.kernels.embedding_backward import embedding_lookup  # noqa: E402
 from version4_triton_ultra.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 
 EPS = 1e-6   # the model's RMSNorm epsilon
@@ -107,7 +108,35 @@ LINEAR_CROSS_ENTROPY = kb.OpBench(
          "its gain is memory: no [N, V] float32 logits.",
 )
 
-OPS = [ADD_RMSNORM, LINEAR_CROSS_ENTROPY]
+# ----------------------------------------------------------------------------------------------------------
+# embedding: weight [V, D], token ids [N] -> the N rows weight[ids]; its backward is a scatter-add
+# ----------------------------------------------------------------------------------------------------------
+def embedding_inputs(s, device):
+    # float32 whatever --dtype says: the model keeps its embedding (and so the residual stream) in float32 under
+    # autocast, and atomic additions are done in float32.
+    weight = kb.random_tensor((s.V, s.D), torch.float32, device)
+    ids = torch.randint(0, s.V, (s.N,), device=device)
+    return kb.InputSet([weight], [ids])
+
+
+EMBEDDING = kb.OpBench(
+    name="embedding",
+    make_inputs=embedding_inputs,
+    triton=lambda weight, ids: embedding_lookup(ids, weight),
+    pytorch={"F.embedding (sorting backward)": lambda weight, ids: F.embedding(ids, weight)},
+    output_names=("rows",), input_names=("weight",),
+    # Byte model (float32: 4 bytes per element whatever --dtype says). Forward: read the ids and N rows of the
+    # weight, write the N rows. Backward: read the gradient rows and the ids, zero grad_weight and add into it.
+    byte_model={
+        "fwd": ("8*N*D + 8*N (read ids, N weight rows; write N rows)", lambda s: 8 * s.N * s.D + 8 * s.N),
+        "bwd": ("4*N*D + 8*N + 8*V*D (read grad rows, ids; write zeros to grad_weight, then add into it)",
+                lambda s: 4 * s.N * s.D + 8 * s.N + 8 * s.V * s.D),
+    },
+    note="the Triton op's forward is PyTorch's own row gather; only its backward is a Triton kernel (atomic "
+         "adds: the summation order, and so the last bits of float32, may change from run to run).",
+)
+
+OPS = [ADD_RMSNORM, LINEAR_CROSS_ENTROPY, EMBEDDING]
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,8 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      projection reads: no copies (version 3 transposes q, k, v and the output, and again in the backward pass).
   4. LM head + cross-entropy fused and chunked (kernels/linear_cross_entropy.py): the float32 logits of the
      whole batch never exist; the loss kernel writes d(loss)/d(logits) in place, so backward is two GEMMs.
-  5. Token-embedding backward as zero + scatter-add (index_add_) instead of PyTorch's sort-based kernel.
+  5. Token-embedding backward as a zero fill + one Triton scatter-add kernel (kernels/embedding_backward.py)
+     instead of PyTorch's sort-based kernel.
   6. Under autocast, the fused norm writes its output directly in bfloat16 for the GEMM that reads it, and
      all projection weights are copied to bfloat16 by ONE kernel per step (autocast casts each weight in its
      own kernel and, in backward, widens each weight gradient in another); weight gradients come out of
@@ -47,32 +48,9 @@ from version3_triton.kernels.flash_attention import flash_attention_packed  # no
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
 from version3_triton.kernels.swiglu import swiglu_fused  # noqa: E402
 from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm  # noqa: E402
+from version4_triton_ultra.kernels.embedding_backward import embedding_lookup  # noqa: E402
 from version4_triton_ultra.kernels.linear_cross_entropy import (  # noqa: E402
     accumulate_matmul, linear_cross_entropy, matmul_to_float32)
-
-
-class EmbeddingLookup(torch.autograd.Function):
-    """Token embedding whose backward is two kernels: zero the gradient, then scatter-add the rows into it.
-
-    PyTorch's embedding backward sorts the token ids first, so that every row is summed in a fixed order; at the
-    seed configuration that single kernel took ~37 us per step on an H100. index_add_ adds with atomics
-    instead: a few microseconds, at the price of a summation order that may differ from run to run (the
-    gradient is the same up to float rounding).
-    """
-
-    @staticmethod
-    def forward(ctx, input_ids, weight):
-        ctx.save_for_backward(input_ids)
-        ctx.vocab_size = weight.shape[0]
-        return weight[input_ids]
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (input_ids,) = ctx.saved_tensors
-        dim = grad_output.shape[-1]
-        grad_weight = torch.zeros(ctx.vocab_size, dim, dtype=grad_output.dtype, device=grad_output.device)
-        grad_weight.index_add_(0, input_ids.reshape(-1), grad_output.reshape(-1, dim))
-        return None, grad_weight
 
 
 class WeightGradientStream:
@@ -313,7 +291,7 @@ class TinyLlama(nn.Module):
         seq = input_ids.shape[1]
         self.refresh_16bit_weights(gemm_input_dtype(input_ids.device.type))
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        h = EmbeddingLookup.apply(input_ids, self.embed_tokens.weight)
+        h = embedding_lookup(input_ids, self.embed_tokens.weight)
         with profile_range("rmsnorm"):
             h, normed = add_rms_norm(h, None, self.layers[0].attention_norm.weight, self.config.rms_norm_eps,
                                      normed_dtype=gemm_input_dtype(h.device.type))

@@ -20,9 +20,10 @@ The backward pass (FlashAttention-2) recomputes the scores block by block instea
     dp = dO v^T          ds = p * (dp - delta)       dq = ds k * sm_scale      dk = ds^T q * sm_scale
 One kernel owns a block of queries and loops over the key blocks (it accumulates dq, and writes delta for its
 rows first); it runs before the other, which owns a block of keys and loops over the query blocks (it
-accumulates dk and dv, reading delta). Each output element is written by
-exactly one program, so there are no atomics and the result is deterministic; the price is computing
-q k^T and dO v^T twice.
+accumulates dk and dv, reading delta; it works on transposed tiles, p^T and ds^T, which is what dv and dk need).
+Each output element is written by exactly one program, so there are no atomics and the result is
+deterministic; the price is computing q k^T and dO v^T twice.
+(The kernels evaluate these exponentials as exp2, with log2(e) folded into the scale: see _LOG2E.)
 
 RoPE on load (used by version 4): rotary embeddings rotate q and k by a position-dependent angle just
 before attention. With `rope=(cos, sin)` the forward kernel receives UNrotated q and k and rotates each block
@@ -93,6 +94,14 @@ FILL_NEW_BUFFERS_WITH_NAN = False
 # ----------------------------------------------------------------------------------------------------------
 # Small helpers shared by the kernels (inlined by Triton)
 # ----------------------------------------------------------------------------------------------------------
+# The kernels compute exponentials in base 2. The GPU's exponential instruction is exp2, and exp(x) is
+# compiled as exp2(x * log2(e)): one multiply per score. Folding log2(e) into the softmax scale once, and
+# keeping the running maximum m and the log-sum-exp in base 2 inside the kernels, saves that multiply for
+# every one of the S x S scores (the forward pass and each backward kernel took 2-6% less time on an H100).
+# lse is still stored as a natural logarithm.
+_LOG2E = tl.constexpr(1.4426950408889634)   # log2(e)
+_LN2 = tl.constexpr(0.6931471805599453)     # ln(2) = 1 / log2(e)
+
 @triton.jit
 def _head_start(batch_head, num_heads, batch_stride, head_stride):
     """Offset (int64) of row 0 of head `batch_head % num_heads` of batch `batch_head // num_heads`."""
@@ -202,13 +211,14 @@ def _attend_to_key_block(q, m, l, acc, K, V, Cos, Sin, rows, key_start, seq_len,
     k = _load_q_or_k(K, row_stride, Cos, Sin, cols, seq_len, BLOCK_N, HEAD_DIM, ROPE)
     v = _load_rows(V, cols, row_stride, seq_len, HEAD_DIM)
 
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+    # In base 2 (see _LOG2E): scores2 = score * log2(e), and exp2(scores2 - m) = exp(score - m * ln 2).
+    scores2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (sm_scale * _LOG2E)
     if MASKED:
-        scores = tl.where(_visible(rows, cols, seq_len, CAUSAL), scores, float("-inf"))
+        scores2 = tl.where(_visible(rows, cols, seq_len, CAUSAL), scores2, float("-inf"))
 
-    m_new = tl.maximum(m, tl.max(scores, axis=1))
-    alpha = tl.exp(m - m_new)              # rescales what was accumulated under the old maximum
-    p = tl.exp(scores - m_new[:, None])    # masked scores give exp(-inf) = 0
+    m_new = tl.maximum(m, tl.max(scores2, axis=1))
+    alpha = tl.math.exp2(m - m_new)              # rescales what was accumulated under the old maximum
+    p = tl.math.exp2(scores2 - m_new[:, None])   # masked scores give exp2(-inf) = 0
     l = l * alpha + tl.sum(p, axis=1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l, acc
@@ -267,48 +277,62 @@ def _flash_attention_forward_kernel(
                                          qkv_row_stride, HEAD_DIM, BLOCK_N, True, CAUSAL, ROPE, DOT_PRECISION)
 
     _store_rows(Out, rows, out_row_stride, seq_len, acc / l[:, None], HEAD_DIM)
-    tl.store(Lse + rows, m + tl.log(l), mask=rows < seq_len)
+    # m and log2(l) are in base 2; lse is stored as a natural logarithm, like everyone else's.
+    tl.store(Lse + rows, (m + tl.math.log2(l)) * _LN2, mask=rows < seq_len)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _probabilities(q, k, lse, rows, cols, seq_len, sm_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+def _probabilities(q, k, lse2, rows, cols, seq_len, sm_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
-    """Rebuild the attention probabilities p = exp(q k^T * sm_scale - lse) of a [rows, cols] tile.
+    """Rebuild the attention probabilities p = exp(q k^T * sm_scale - lse) of a [rows, cols] tile, in base 2:
+    p = exp2(q k^T * sm_scale * log2(e) - lse2), with lse2 = lse * log2(e) from _load_lse2.
 
-    Query rows past the end get exactly 0 without a mask: their lse is loaded as +inf (_load_lse). MASKED
+    Query rows past the end get exactly 0 without a mask: their lse is loaded as +inf (_load_lse2). MASKED
     tiles also zero the keys a row must not see (past the end, or after the row when CAUSAL).
     """
-    p = tl.exp(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale - lse[:, None])
+    scores2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (sm_scale * _LOG2E)
+    p = tl.math.exp2(scores2 - lse2[:, None])
     if MASKED:
         p = tl.where(_visible(rows, cols, seq_len, CAUSAL), p, 0.0)
     return p
 
 
 @triton.jit
-def _load_lse(Lse, rows, seq_len):
-    """lse of the rows; +inf past the end, so that exp(score - lse) is 0 there."""
-    return tl.load(Lse + rows, mask=rows < seq_len, other=float("inf"))
+def _load_lse2(Lse, rows, seq_len):
+    """lse * log2(e) of the rows (the base-2 log-sum-exp); +inf past the end, so that p is 0 there."""
+    return tl.load(Lse + rows, mask=rows < seq_len, other=float("inf")) * _LOG2E
 
 
 @triton.jit
 def _dkdv_from_query_block(k, v, dk, dv, Q, dOut, Lse, Delta, cols, row_start, seq_len, sm_scale,
                            qkv_row_stride, out_row_stride, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                           MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Add the contribution of the queries [row_start, row_start + BLOCK_M) to dk and dv."""
+                           MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add the contribution of the queries [row_start, row_start + BLOCK_M) to dk and dv.
+
+    Works on TRANSPOSED tiles, [keys, queries]: p^T = exp2(k q^T * scale - lse2) directly, rather than p and then
+    tl.trans(p). dv += p^T dO and dk += ds^T q then take p^T and ds^T as they are, in registers; transposing a
+    tile that lives in registers would send it through shared memory, twice per query block (measured on an
+    H100 at batch 32 x 8 heads x seq 512 x head dim 32, bfloat16: 60 us per call with the transposes, 53 without).
+    MASKED (causal tiles on the diagonal) zeroes the pairs where the key comes after the query. Keys past the
+    end need no mask here: their dk and dv rows are never stored.
+    """
     rows = row_start + tl.arange(0, BLOCK_M)
     q = _load_rows(Q, rows, qkv_row_stride, seq_len, HEAD_DIM)
     do = _load_rows(dOut, rows, out_row_stride, seq_len, HEAD_DIM)
-    lse = _load_lse(Lse, rows, seq_len)
+    lse2 = _load_lse2(Lse, rows, seq_len)
     delta = tl.load(Delta + rows, mask=rows < seq_len, other=0.0)
 
-    p = _probabilities(q, k, lse, rows, cols, seq_len, sm_scale, MASKED, CAUSAL, DOT_PRECISION)
-    dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    ds = p * (dp - delta[:, None])
-    dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
+    scores2_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * (sm_scale * _LOG2E)
+    p_t = tl.math.exp2(scores2_t - lse2[None, :])
+    if MASKED:
+        p_t = tl.where(cols[:, None] <= rows[None, :], p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -356,12 +380,10 @@ def _flash_attention_backward_dkdv_kernel(
         masked_end = 0
     for row_start in range(query_start, masked_end, BLOCK_M):
         dk, dv = _dkdv_from_query_block(k, v, dk, dv, Q, dOut, Lse, Delta, cols, row_start, seq_len, sm_scale,
-                                        qkv_row_stride, out_row_stride, HEAD_DIM, BLOCK_M, True, CAUSAL,
-                                        DOT_PRECISION)
+                                        qkv_row_stride, out_row_stride, HEAD_DIM, BLOCK_M, True, DOT_PRECISION)
     for row_start in range(masked_end, seq_len, BLOCK_M):
         dk, dv = _dkdv_from_query_block(k, v, dk, dv, Q, dOut, Lse, Delta, cols, row_start, seq_len, sm_scale,
-                                        qkv_row_stride, out_row_stride, HEAD_DIM, BLOCK_M, False, CAUSAL,
-                                        DOT_PRECISION)
+                                        qkv_row_stride, out_row_stride, HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
 
     dk = dk * sm_scale
     if ROPE:  # dk is the gradient for the rotated keys: rotate it back
@@ -371,7 +393,7 @@ def _flash_attention_backward_dkdv_kernel(
 
 
 @triton.jit
-def _dq_from_key_block(q, do, lse, delta, dq, K, V, rows, key_start, seq_len, sm_scale, qkv_row_stride,
+def _dq_from_key_block(q, do, lse2, delta, dq, K, V, rows, key_start, seq_len, sm_scale, qkv_row_stride,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                        DOT_PRECISION: tl.constexpr):
     """Add the contribution of the keys [key_start, key_start + BLOCK_N) to dq."""
@@ -379,7 +401,7 @@ def _dq_from_key_block(q, do, lse, delta, dq, K, V, rows, key_start, seq_len, sm
     k = _load_rows(K, cols, qkv_row_stride, seq_len, HEAD_DIM)
     v = _load_rows(V, cols, qkv_row_stride, seq_len, HEAD_DIM)
 
-    p = _probabilities(q, k, lse, rows, cols, seq_len, sm_scale, MASKED, CAUSAL, DOT_PRECISION)
+    p = _probabilities(q, k, lse2, rows, cols, seq_len, sm_scale, MASKED, CAUSAL, DOT_PRECISION)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -417,7 +439,7 @@ def _flash_attention_backward_dq_kernel(
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q = _load_rows(Q, rows, qkv_row_stride, seq_len, HEAD_DIM)
     do = _load_rows(dOut + out_start, rows, out_row_stride, seq_len, HEAD_DIM)
-    lse = _load_lse(Lse, rows, seq_len)
+    lse2 = _load_lse2(Lse, rows, seq_len)
     o = _load_rows(Out + out_start, rows, out_row_stride, seq_len, HEAD_DIM)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)   # rows past the end: 0 (loaded as zeros)
     tl.store(Delta + rows, delta, mask=rows < seq_len)
@@ -426,10 +448,10 @@ def _flash_attention_backward_dq_kernel(
     # The same key blocks as the forward pass, split the same way into unmasked and masked ones.
     full_end, key_end = _key_blocks_of_query_block(block_m, seq_len, BLOCK_M, BLOCK_N, CAUSAL)
     for key_start in range(0, full_end, BLOCK_N):
-        dq = _dq_from_key_block(q, do, lse, delta, dq, K, V, rows, key_start, seq_len, sm_scale, qkv_row_stride,
+        dq = _dq_from_key_block(q, do, lse2, delta, dq, K, V, rows, key_start, seq_len, sm_scale, qkv_row_stride,
                                 HEAD_DIM, BLOCK_N, False, CAUSAL, DOT_PRECISION)
     for key_start in range(full_end, key_end, BLOCK_N):
-        dq = _dq_from_key_block(q, do, lse, delta, dq, K, V, rows, key_start, seq_len, sm_scale, qkv_row_stride,
+        dq = _dq_from_key_block(q, do, lse2, delta, dq, K, V, rows, key_start, seq_len, sm_scale, qkv_row_stride,
                                 HEAD_DIM, BLOCK_N, True, CAUSAL, DOT_PRECISION)
 
     dq = dq * sm_scale

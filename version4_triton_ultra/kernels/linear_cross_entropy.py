@@ -114,6 +114,19 @@ def _mean_loss_kernel(
     tl.store(inv_count_ptr, 1.0 / n_valid)
 
 
+@triton.jit
+def _scale_kernel(x_ptr, scale_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    """out = x * scale in float32, rounded once to out's dtype; scale: a float32 scalar in device memory.
+
+    PyTorch computes a 16-bit tensor times a float32 scalar tensor with its general (not vectorised) kernel:
+    16.9 us for the [16384, 256] bfloat16 grad_hidden of batch 32 x seq 512 on an H100, against the ~6 us
+    that reading and writing 16 MB takes."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, (x * tl.load(scale_ptr)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Launch helpers
 # ----------------------------------------------------------------------------------------------------------
@@ -150,6 +163,15 @@ def mean_loss(row_loss, targets, ignore_index=-100):
     _mean_loss_kernel[(1,)](row_loss, targets, out, out[1:], row_loss.shape[0], ignore_index, BLOCK=block,
                             num_warps=8 if block >= 2048 else 4)
     return out[0], out[1]
+
+
+def scaled(x, scale, dtype):
+    """A new tensor x * scale in `dtype`, for contiguous x and a one-element float32 tensor `scale` on x's device."""
+    out = _new_output(x.shape, dtype, x.device)
+    if x.numel() > 0:
+        block = 4096
+        _scale_kernel[(triton.cdiv(x.numel(), block),)](x, scale, out, x.numel(), BLOCK=block, num_warps=8)
+    return out
 
 
 def default_chunk_rows(vocab_size, dtype):
@@ -226,8 +248,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # One float32 scalar folds the mean's 1/n_valid and the incoming gradient (e.g. a loss scale).
         scale = grad_output.to(torch.float32) * inv_n_valid
         if grad_hidden is not None:
-            # One kernel: a 16-bit tensor times a float32 scalar is computed in float32 and rounded once.
-            grad_hidden = (grad_hidden * scale).to(hidden_dtype)
+            # One kernel, computed in float32 and rounded once.
+            grad_hidden = scaled(grad_hidden, scale, hidden_dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * scale).to(weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None

@@ -3,6 +3,7 @@
 - add_rmsnorm: residual + delta and RMSNorm in one kernel (and delta=None: plain RMSNorm).
 - linear_cross_entropy: output head + cross-entropy in chunks, the gradient computed during forward.
 - embedding_backward: the token-embedding gradient as one scatter-add kernel.
+- swiglu_gemm: the feed-forward GEMMs with SwiGLU (forward) and its backward in their epilogues.
 
 Every buffer the wrappers allocate is filled with NaN first (the autouse fixture below), so an element a
 kernel forgets to write fails the test. On CPU the kernels run in Triton's interpreter: shapes are small;
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from version4_triton_ultra.kernels import add_rmsnorm as arn
 from version4_triton_ultra.kernels import embedding_backward as emb
 from version4_triton_ultra.kernels import linear_cross_entropy as lce
+from version4_triton_ultra.kernels import swiglu_gemm as sg
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 EPS = 1e-6
@@ -36,6 +38,7 @@ def poisoned_outputs(monkeypatch):
 
     monkeypatch.setattr(arn, "_new_output", nan_filled)
     monkeypatch.setattr(lce, "_new_output", nan_filled)
+    monkeypatch.setattr(sg, "_new_output", nan_filled)
     return allocated
 
 
@@ -467,3 +470,55 @@ def test_embedding_backward_rejects_mismatched_rows(device):
 def test_embedding_backward_full_size_gpu(device):
     # batch 32 x seq 512 tokens over the seed vocabulary: ~16 additions into every row.
     check_embedding((32, 512), 1000, 256, device, seed=181)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# swiglu_gemm
+# ----------------------------------------------------------------------------------------------------------
+def reference_feed_forward(x, gate_up_weight, down_weight, grad_y):
+    """gate_up, h and d(gate_up) of y = (silu(gate) * up) @ down_weight^T in float64 with autograd."""
+    x, gate_up_weight, down_weight, grad_y = (t.detach().double() for t in (x, gate_up_weight, down_weight, grad_y))
+    gate_up = (x @ gate_up_weight.T).requires_grad_()
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = F.silu(gate) * up
+    (h @ down_weight.T).backward(grad_y)
+    return gate_up.detach(), h.detach(), gate_up.grad
+
+
+def check_swiglu_gemm(n_rows, n_in, n_ffn, dtype, device, seed):
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=generator)).to(device=device, dtype=dtype)
+
+    x, grad_y = draw(n_rows, n_in), draw(n_rows, n_in)
+    gate_up_weight, down_weight = draw(2 * n_ffn, n_in, scale=n_in ** -0.5), draw(n_in, n_ffn, scale=n_ffn ** -0.5)
+    gate_up, h = sg.gate_up_swiglu(x, gate_up_weight)
+    grad_gate_up = sg.down_swiglu_backward(grad_y, down_weight, gate_up)
+    ref_gate_up, ref_h, ref_grad_gate_up = reference_feed_forward(x, gate_up_weight, down_weight, grad_y)
+    # float32 on an NVIDIA GPU multiplies in TF32 when torch's matmul switch says so: hold it to bfloat16's bound.
+    tolerance_dtype = torch.bfloat16 if sg.dot_precision(dtype) == "tf32" and x.is_cuda else dtype
+    assert_matches(gate_up, ref_gate_up, tolerance_dtype, "gate_up")
+    assert_matches(h, ref_h, tolerance_dtype, "h")
+    assert_matches(grad_gate_up, ref_grad_gate_up, tolerance_dtype, "grad gate_up")
+
+
+@pytest.mark.parametrize("n_rows, n_in, n_ffn", [(37, 40, 24), (16, 16, 16), (5, 48, 40)],
+                         ids=["nothing a multiple of the tile", "one tile", "fewer rows than a tile"])
+def test_swiglu_gemm_matches_reference(n_rows, n_in, n_ffn, device):
+    check_swiglu_gemm(n_rows, n_in, n_ffn, torch.float32, device, seed=191)
+
+
+def test_swiglu_gemm_rejects_mismatched_operands(device):
+    x = torch.ones(4, 8, device=device)
+    with pytest.raises(ValueError, match="weight"):
+        sg.gate_up_swiglu(x, torch.ones(6, 7, device=device))
+    with pytest.raises(ValueError, match="gate_up must be"):
+        sg.down_swiglu_backward(x, torch.ones(8, 3, device=device), torch.ones(4, 5, device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n_rows", [1000, 16400], ids=["small tiles", "large tiles"])
+def test_swiglu_gemm_full_size_gpu(n_rows, dtype, device):
+    check_swiglu_gemm(n_rows, 256, 512, dtype, device, seed=201)

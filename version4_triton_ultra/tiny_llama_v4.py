@@ -46,11 +46,11 @@ from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, 
                                      init_canonical_weights, split)
 from version3_triton.kernels.flash_attention import flash_attention_packed  # noqa: E402
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
-from version3_triton.kernels.swiglu import swiglu_fused  # noqa: E402
 from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm  # noqa: E402
 from version4_triton_ultra.kernels.embedding_backward import embedding_lookup  # noqa: E402
 from version4_triton_ultra.kernels.linear_cross_entropy import (  # noqa: E402
     accumulate_matmul, linear_cross_entropy, matmul_to_float32)
+from version4_triton_ultra.kernels.swiglu_gemm import down_swiglu_backward, gate_up_swiglu  # noqa: E402
 
 
 class WeightGradientStream:
@@ -128,12 +128,59 @@ class ProjectionMatmul(torch.autograd.Function):
         grad_x = grad_y @ gemm_weight if ctx.needs_input_grad[0] else None   # first: the critical path
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_y_rows, x_rows = grad_y.reshape(-1, grad_y.shape[-1]), x.reshape(-1, x.shape[-1])
-            if ctx.weight_grad_stream is None:
-                grad_weight = matmul_to_float32(grad_y_rows.T, x_rows)
-            else:
-                ctx.weight_grad_stream.queue(ctx.weight, grad_y_rows, x_rows)
+            grad_weight = weight_gradient(ctx.weight, grad_y.reshape(-1, grad_y.shape[-1]),
+                                          x.reshape(-1, x.shape[-1]), ctx.weight_grad_stream)
         return grad_x, grad_weight, None, None
+
+
+def weight_gradient(weight, grad_y_rows, x_rows, weight_grad_stream):
+    """The float32 gradient grad_y^T @ x of a projection's weight, returned to autograd; or, with a
+    WeightGradientStream, queued on its stream (it writes weight.grad itself) and None returned."""
+    if weight_grad_stream is None:
+        return matmul_to_float32(grad_y_rows.T, x_rows)
+    weight_grad_stream.queue(weight, grad_y_rows, x_rows)
+    return None
+
+
+class SwiGLUFeedForward(torch.autograd.Function):
+    """y = down(silu(gate) * up) with [gate | up] = x @ W_gu^T, where both SwiGLU passes ride on a GEMM
+    (kernels/swiglu_gemm.py) instead of running as kernels of their own.
+
+    Forward: one Triton GEMM writes gate_up (saved) and h = silu(gate) * up; the down GEMM (vendor BLAS) reads h.
+    Backward: one Triton GEMM computes dh = grad_y @ W_down and, from the same registers, d(gate_up); the
+    gate/up projection's input gradient is a vendor GEMM. Weight operands as in ProjectionMatmul: `*_gemm_weight`
+    is the float32 weight or its 16-bit copy under autocast; the weight gradients come out in float32 (on the
+    weight-gradient stream when there is one).
+    """
+
+    @staticmethod
+    def forward(ctx, x, gate_up_weight, gate_up_gemm_weight, down_weight, down_gemm_weight, weight_grad_stream):
+        x_rows = x.reshape(-1, x.shape[-1]).to(gate_up_gemm_weight.dtype)
+        gate_up, h = gate_up_swiglu(x_rows, gate_up_gemm_weight)
+        y = h @ down_gemm_weight.T
+        ctx.save_for_backward(x_rows, gate_up, h, gate_up_gemm_weight, down_gemm_weight)
+        ctx.weights, ctx.weight_grad_stream, ctx.x_shape = (gate_up_weight, down_weight), weight_grad_stream, x.shape
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_rows, gate_up, h, gate_up_gemm_weight, down_gemm_weight = ctx.saved_tensors
+        gate_up_weight, down_weight = ctx.weights
+        needs_x, needs_gate_up_weight, needs_down_weight = (ctx.needs_input_grad[i] for i in (0, 1, 3))
+        grad_y_rows = grad_y.reshape(-1, grad_y.shape[-1]).to(h.dtype)
+        grad_down_weight = grad_gate_up_weight = grad_x = None
+        # The critical path first (as in ProjectionMatmul): on the second stream, a weight GEMM queued before
+        # the fused kernel would start at the same moment and take SMs from it.
+        grad_gate_up = None
+        if needs_x or needs_gate_up_weight:
+            grad_gate_up = down_swiglu_backward(grad_y_rows, down_gemm_weight, gate_up)
+        if needs_down_weight:
+            grad_down_weight = weight_gradient(down_weight, grad_y_rows, h, ctx.weight_grad_stream)
+        if needs_x:
+            grad_x = (grad_gate_up @ gate_up_gemm_weight).view(ctx.x_shape)
+        if needs_gate_up_weight:
+            grad_gate_up_weight = weight_gradient(gate_up_weight, grad_gate_up, x_rows, ctx.weight_grad_stream)
+        return grad_x, grad_gate_up_weight, None, grad_down_weight, None, None
 
 
 class Projection(nn.Linear):
@@ -145,6 +192,15 @@ class Projection(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
         self.weight16 = None
         self.weight_grad_stream = None   # a WeightGradientStream, or None: autograd computes the weight gradient
+
+    def gemm_weight(self, device_type: str) -> torch.Tensor:
+        """What a GEMM multiplies with: under autocast the 16-bit copy (made now if the model has none), else
+        the float32 weight itself."""
+        if not torch.is_autocast_enabled(device_type):
+            return self.weight
+        if self.weight16 is not None:
+            return self.weight16
+        return self.weight.to(torch.get_autocast_dtype(device_type))
 
     def forward(self, x):
         autocast = torch.is_autocast_enabled(x.device.type)
@@ -185,7 +241,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """One gate/up GEMM -> one SwiGLU pass over its two halves -> down GEMM."""
+    """gate/up GEMM with SwiGLU in its epilogue -> down GEMM (SwiGLUFeedForward); the backward likewise."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -194,8 +250,11 @@ class FeedForward(nn.Module):
         self.down_proj = Projection(f, d)
 
     def forward(self, x):
+        device_type = x.device.type
         with profile_range("ffn"):
-            return self.down_proj(swiglu_fused(self.gate_up_proj(x)))
+            return SwiGLUFeedForward.apply(x, self.gate_up_proj.weight, self.gate_up_proj.gemm_weight(device_type),
+                                           self.down_proj.weight, self.down_proj.gemm_weight(device_type),
+                                           self.gate_up_proj.weight_grad_stream)
 
 
 class Norm(nn.Module):

@@ -53,6 +53,7 @@ def _cross_entropy_rows_kernel(
     vocab_size, ignore_index,
     COMPUTE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,    # V <= BLOCK_V: one read of the row instead of two passes
 ):
     row = tl.program_id(0)
     # int64: rows * V of a long chunk can exceed 2^31 elements.
@@ -60,32 +61,47 @@ def _cross_entropy_rows_kernel(
     target = tl.load(targets_ptr + row)
     is_valid = target != ignore_index
 
-    # Pass 1: running max m and running sum s of exp(x - m), all in float32 whatever the logits' dtype.
-    m = float("-inf")
-    s = 0.0
-    target_logit = 0.0
-    for start in range(0, vocab_size, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
+    if ONE_BLOCK:
+        # The whole row fits in one block (V <= BLOCK_V, e.g. the seed's 1000): read it once and keep it in
+        # registers for both the loss and the gradient, instead of reading it again in a second pass.
+        cols = tl.arange(0, BLOCK_V)
         mask = cols < vocab_size
         x = tl.load(row_logits_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        # Rescale what was summed relative to the old max; exp(-inf) = 0 on the first block.
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-        # Pick out the target's logit on the way, instead of a separate gather that could read out of range.
-        target_logit += tl.sum(tl.where((cols == target) & mask, x, 0.0), axis=0)
-    log_sum_exp = m + tl.log(s)
-    tl.store(row_loss_ptr + row, tl.where(is_valid, log_sum_exp - target_logit, 0.0))
-
-    # Pass 2: d(loss_row)/d(logits) = softmax - onehot(target); ignored rows get zeros.
-    if COMPUTE_GRAD:
-        for start in range(0, vocab_size, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            mask = cols < vocab_size
-            x = tl.load(row_logits_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        m = tl.max(x, axis=0)
+        log_sum_exp = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
+        target_logit = tl.sum(tl.where(cols == target, x, 0.0), axis=0)
+        tl.store(row_loss_ptr + row, tl.where(is_valid, log_sum_exp - target_logit, 0.0))
+        if COMPUTE_GRAD:
             grad = tl.exp(x - log_sum_exp) - tl.where(cols == target, 1.0, 0.0)
             grad = tl.where(is_valid, grad, 0.0)
             tl.store(row_logits_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Pass 1: running max m and running sum s of exp(x - m), all in float32 whatever the logits' dtype.
+        m = float("-inf")
+        s = 0.0
+        target_logit = 0.0
+        for start in range(0, vocab_size, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < vocab_size
+            x = tl.load(row_logits_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            # Rescale what was summed relative to the old max; exp(-inf) = 0 on the first block.
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+            m = m_new
+            # Pick out the target's logit on the way, instead of a separate gather that could read out of range.
+            target_logit += tl.sum(tl.where((cols == target) & mask, x, 0.0), axis=0)
+        log_sum_exp = m + tl.log(s)
+        tl.store(row_loss_ptr + row, tl.where(is_valid, log_sum_exp - target_logit, 0.0))
+
+        # Pass 2: d(loss_row)/d(logits) = softmax - onehot(target); ignored rows get zeros.
+        if COMPUTE_GRAD:
+            for start in range(0, vocab_size, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                mask = cols < vocab_size
+                x = tl.load(row_logits_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                grad = tl.exp(x - log_sum_exp) - tl.where(cols == target, 1.0, 0.0)
+                grad = tl.where(is_valid, grad, 0.0)
+                tl.store(row_logits_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -150,7 +166,8 @@ def cross_entropy_rows_(logits, targets, row_loss, ignore_index=-100, compute_gr
     block_v = min(triton.next_power_of_2(vocab_size), MAX_BLOCK_V)
     _cross_entropy_rows_kernel[(n_rows,)](
         logits, targets, row_loss, vocab_size, ignore_index,
-        COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, num_warps=num_warps_for(block_v))
+        COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, ONE_BLOCK=vocab_size <= block_v,
+        num_warps=num_warps_for(block_v))
 
 
 def mean_loss(row_loss, targets, ignore_index=-100):

@@ -48,6 +48,20 @@ def test_profile_graphed_step_needs_a_gpu_and_good_flags(flags):
     assert result.stderr.count("\n") == 1 and "error:" in result.stderr
 
 
+def test_profile_graphed_step_kernel_families():
+    from version4_triton_ultra.profile_graphed_step import family_totals, kernel_family
+    assert kernel_family("_flash_attention_backward_dq_kernel") == "attention"
+    assert kernel_family("_down_swiglu_backward_kernel") == "feed-forward GEMMs + SwiGLU (Triton)"
+    assert kernel_family("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NNN") == "GEMMs (vendor BLAS)"
+    assert kernel_family("Cijk_Alik_Bljk_BBS_BH_MT128x128x32") == "GEMMs (vendor BLAS)"
+    assert kernel_family("void at::native::reduce_kernel<512, 1, ...>") == "norms"
+    assert kernel_family("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "GEMMs (vendor BLAS)"
+    assert kernel_family("Memset (Unknown)") == "other"
+    rows = [("_add_rms_norm_backward_kernel", 9, 2.0, 18.0), ("_add_rms_norm_forward_kernel", 9, 1.0, 9.0),
+            ("_cross_entropy_rows_kernel", 1, 30.0, 30.0), ("Memcpy DtoD", 2, 1.0, 2.0)]
+    assert family_totals(rows) == [("loss", 30.0), ("norms", 27.0), ("other", 2.0)]
+
+
 def gradients_after_backward(config, inputs, targets, amp: bool, stream: bool, backward_passes: int = 1):
     from version4_triton_ultra.tiny_llama_v4 import TinyLlama
     model = TinyLlama(config).cuda()

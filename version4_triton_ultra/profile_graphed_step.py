@@ -11,10 +11,15 @@ batch, and reports
   1. the median step time over --steps replays, each timed with device events (after 20 warm-up replays);
   2. a table of the kernels of one step, from the PyTorch profiler over 10 replays: how many times each kernel
      runs per step, its mean duration and its total per step, largest first; plus the sum over all kernels and
-     the device time from the first kernel to the last (under the profiler, so larger than the median of 1).
+     the device time from the first kernel to the last (under the profiler, so larger than the median of 1);
+  3. the same kernel time summed per family (attention, vendor GEMMs, the feed-forward's fused GEMMs, norms, loss,
+     optimizer, embedding, other), largest first.
 That table is where the "what is left" of version 4 is read: GEMMs, attention, norms, the optimizer, casts.
+With the weight-gradient stream (the default) kernels of the two streams overlap, and each one runs slower than
+alone: per-kernel times then add up to more than the step. `--no-weight-grad-stream` gives the cleaner split.
 Needs a GPU (CUDA or ROCm): a graph replay does not exist on the CPU.
 """
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -26,6 +31,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from tinytransformer.cli import OneLineParser, positive_int  # noqa: E402
 from tinytransformer.config import ModelConfig, TrainConfig  # noqa: E402
+
+
+# Kernel families, by kernel name; the first pattern that matches names the family. The vendor libraries' GEMM
+# kernels carry names such as nvjet_*, cutlass_*, sm90_xmma_gemm_* (cuBLAS on NVIDIA), Cijk_* (hipBLASLt / Tensile
+# on AMD), plus cuBLAS's split-K reductions.
+KERNEL_FAMILIES = (
+    ("attention", r"flash_attention"),
+    ("feed-forward GEMMs + SwiGLU (Triton)", r"swiglu"),
+    ("GEMMs (vendor BLAS)", r"gemm|nvjet|cutlass|Cijk_|splitKreduce|cublas"),
+    ("norms", r"rms_norm|native::reduce_kernel"),   # PyTorch's reduce_kernel: the norm weight-gradient sums
+    ("loss", r"cross_entropy|mean_loss|_scale_kernel"),
+    ("optimizer and weight copies", r"multi_tensor_apply"),
+    ("embedding", r"embedding|gather|indexFunc"),
+)
+
+
+def kernel_family(name: str) -> str:
+    """The family of a kernel name (see KERNEL_FAMILIES); "other" when none matches."""
+    for family, pattern in KERNEL_FAMILIES:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return family
+    return "other"
+
+
+def family_totals(rows) -> list[tuple[str, float]]:
+    """[(family, us per step)] from kernel_table's rows, largest first."""
+    totals = defaultdict(float)
+    for name, _, _, step_us in rows:
+        totals[kernel_family(name)] += step_us
+    return sorted(totals.items(), key=lambda item: -item[1])
 
 
 def parse_args(argv):
@@ -105,6 +140,9 @@ def main(argv=None) -> int:
     print(f"{'per step':>9} {'mean us':>8} {'us/step':>8}  kernel")
     for name, count, mean_us, step_us in rows[:args.top]:
         print(f"{count:9.1f} {mean_us:8.2f} {step_us:8.1f}  {name[:100]}")
+    print(f"{'us/step':>9} {'share':>8}  kernel family")
+    for family, step_us in family_totals(rows):
+        print(f"{step_us:9.1f} {step_us / total_us:8.1%}  {family}")
     return 0
 
 

@@ -7,20 +7,23 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      rotated back as it stores them), so the separate RoPE pass of version 3 disappears.
   3. Attention reads q, k, v straight from the fused QKV output and writes its output in the layout the output
      projection reads: no copies (version 3 transposes q, k, v and the output, and again in the backward pass).
-  4. LM head + cross-entropy fused and chunked (kernels/linear_cross_entropy.py): the float32 logits of the
+  4. SwiGLU inside the feed-forward GEMMs (kernels/swiglu_gemm.py): the gate/up GEMM computes h = silu(gate) * up
+     in its epilogue, and the down projection's input-gradient GEMM computes d(gate_up) in its epilogue, so
+     version 3's SwiGLU kernels (forward and backward) disappear (SwiGLUFeedForward).
+  5. LM head + cross-entropy fused and chunked (kernels/linear_cross_entropy.py): the float32 logits of the
      whole batch never exist; the loss kernel writes d(loss)/d(logits) in place, so backward is two GEMMs.
-  5. Token-embedding backward as a zero fill + one Triton scatter-add kernel (kernels/embedding_backward.py)
+  6. Token-embedding backward as a zero fill + one Triton scatter-add kernel (kernels/embedding_backward.py)
      instead of PyTorch's sort-based kernel.
-  6. Under autocast, the fused norm writes its output directly in bfloat16 for the GEMM that reads it, and
+  7. Under autocast, the fused norm writes its output directly in bfloat16 for the GEMM that reads it, and
      all projection weights are copied to bfloat16 by ONE kernel per step (autocast casts each weight in its
      own kernel and, in backward, widens each weight gradient in another); weight gradients come out of
      their GEMM in float32 directly.
-  7. Fused AdamW (`torch.optim.AdamW(fused=True)`): one kernel for all parameters instead of a dozen.
-  8. CUDA/HIP graph: after a few eager warm-up steps, forward + backward + optimizer are captured ONCE and every
+  8. Fused AdamW (`torch.optim.AdamW(fused=True)`): one kernel for all parameters instead of a dozen.
+  9. CUDA/HIP graph: after a few eager warm-up steps, forward + backward + optimizer are captured ONCE and every
      later step is a single graph replay: no Python, no per-kernel launch cost (--no-cuda-graph to compare).
      Inside it, the weight-gradient GEMMs of the backward pass run on a second stream, at the same time as the
      rest of the backward pass (WeightGradientStream; --no-weight-grad-stream to compare).
-  9. TF32 tensor cores for float32 matmuls (--no-tf32 for exact float32): the same precision Triton already
+ 10. TF32 tensor cores for float32 matmuls (--no-tf32 for exact float32): the same precision Triton already
      uses for float32 tl.dot.
 
 The function is still version 1's model: tests load the same canonical weights and compare logits, loss and

@@ -172,8 +172,8 @@ class SwiGLUFeedForward(torch.autograd.Function):
         needs_x, needs_gate_up_weight, needs_down_weight = (ctx.needs_input_grad[i] for i in (0, 1, 3))
         grad_y_rows = grad_y.reshape(-1, grad_y.shape[-1]).to(h.dtype)
         grad_down_weight = grad_gate_up_weight = grad_x = None
-        # The critical path first (as in ProjectionMatmul): on the second stream, a weight GEMM queued before
-        # the fused kernel would start at the same moment and take SMs from it.
+        # The fused kernel first: on the second stream, a weight GEMM queued before it would start at the same
+        # moment and take SMs from it. The down projection's weight GEMM then runs beside grad_x's GEMM.
         grad_gate_up = None
         if needs_x or needs_gate_up_weight:
             grad_gate_up = down_swiglu_backward(grad_y_rows, down_gemm_weight, gate_up)

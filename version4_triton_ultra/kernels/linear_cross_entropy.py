@@ -25,7 +25,8 @@ Unscaled, they are probabilities, which float16 holds well; the 1/n_valid is app
 
 The kernel: one program per row streams over V in blocks of BLOCK_V (V may be 32000, not a power of two).
 First pass: an "online" max and sum of exponentials, rescaling the running sum whenever the max grows, so the
-row is read once for logsumexp. Second pass: the gradient, written back over the logits.
+row is read once for logsumexp. Second pass: the gradient, written back over the logits. When the whole row fits
+one block (V <= MAX_BLOCK_V) the program reads it once and keeps it in registers for both.
 """
 import torch
 import triton
@@ -69,7 +70,7 @@ def _cross_entropy_rows_kernel(
         x = tl.load(row_logits_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
         m = tl.max(x, axis=0)
         log_sum_exp = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
-        target_logit = tl.sum(tl.where(cols == target, x, 0.0), axis=0)
+        target_logit = tl.sum(tl.where((cols == target) & mask, x, 0.0), axis=0)
         tl.store(row_loss_ptr + row, tl.where(is_valid, log_sum_exp - target_logit, 0.0))
         if COMPUTE_GRAD:
             grad = tl.exp(x - log_sum_exp) - tl.where(cols == target, 1.0, 0.0)

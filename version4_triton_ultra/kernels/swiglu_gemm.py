@@ -15,13 +15,14 @@ an output tile while it is still in registers, after the loop over the inner dim
                                                  never reaches memory.
 
 Forward, the SwiGLU kernel's read of gate_up disappears; backward, the write and the read of dh. The
-arithmetic is the SwiGLU kernels' (../../version3_triton/kernels/swiglu.py): float32, from gate, up and dh
-rounded to the storage dtype first, exactly as when a GEMM had written them to memory.
+formulas are the SwiGLU kernels' (../../version3_triton/kernels/swiglu.py), in float32, on gate, up and dh
+rounded to the storage dtype first, as when a GEMM had written them to memory.
 
 These are ordinary Triton GEMMs: a program owns a BLOCK_M x BLOCK_N output tile and loops over the inner
 dimension BLOCK_K at a time with tl.dot (tensor cores; float32 inputs in TF32 when torch's
 `torch.backends.cuda.matmul.allow_tf32` is on, as for cuBLAS, else exact float32). The vendor BLAS stays in
-charge of every other GEMM of the model.
+charge of every other GEMM of the model. Offsets into the activations are int64; into the weights int32, which
+holds for weights of up to 2**31 elements.
 """
 import torch
 import triton
@@ -44,10 +45,10 @@ def _gate_up_swiglu_kernel(
     n_rows, n_ffn, n_in,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One program: rows [BLOCK_M] x columns [BLOCK_N] of gate, of up and of h. Grid: (cdiv(F, BLOCK_N),
-    cdiv(N, BLOCK_M)); the column blocks of one row block run next to each other and share its x tile in L2."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)   # int64: N * 2F may pass 2**31
+    """One program: rows [BLOCK_M] x columns [BLOCK_N] of gate, of up and of h. Grid: (cdiv(N, BLOCK_M),
+    cdiv(F, BLOCK_N)): the row blocks on the first axis, which allows 2**31 - 1 programs (the second only 65535)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)   # int64: N * 2F may pass 2**31
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < n_rows, cols < n_ffn
 
     gate_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -87,8 +88,8 @@ def _down_swiglu_backward_kernel(
 ):
     """One program: a [BLOCK_M, BLOCK_N] tile of dh = grad_y @ w_down, then the same tile of d(gate) and d(up).
     Grid as in the forward kernel."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < n_rows, cols < n_ffn
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -174,7 +175,7 @@ def gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor,
     h = _new_output((n_rows, n_ffn), x.dtype, x.device)
     if n_rows > 0:
         config = _launch_config(x.dtype, n_rows, "forward")
-        grid = (triton.cdiv(n_ffn, config["BLOCK_N"]), triton.cdiv(n_rows, config["BLOCK_M"]))
+        grid = (triton.cdiv(n_rows, config["BLOCK_M"]), triton.cdiv(n_ffn, config["BLOCK_N"]))
         _gate_up_swiglu_kernel[grid](x, weight, gate_up, h, n_rows, n_ffn, n_in,
                                      DOT_PRECISION=dot_precision(x.dtype), **config)
     return gate_up, h
@@ -195,7 +196,7 @@ def down_swiglu_backward(grad_y: torch.Tensor, down_weight: torch.Tensor, gate_u
     grad_gate_up = _new_output(gate_up.shape, gate_up.dtype, gate_up.device)
     if n_rows > 0:
         config = _launch_config(grad_y.dtype, n_rows, "backward")
-        grid = (triton.cdiv(n_ffn, config["BLOCK_N"]), triton.cdiv(n_rows, config["BLOCK_M"]))
+        grid = (triton.cdiv(n_rows, config["BLOCK_M"]), triton.cdiv(n_ffn, config["BLOCK_N"]))
         _down_swiglu_backward_kernel[grid](grad_y, down_weight, gate_up, grad_gate_up, n_rows, n_ffn, n_out,
                                            DOT_PRECISION=dot_precision(grad_y.dtype), **config)
     return grad_gate_up

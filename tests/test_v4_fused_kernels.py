@@ -522,3 +522,10 @@ def test_swiglu_gemm_rejects_mismatched_operands(device):
 @pytest.mark.parametrize("n_rows", [1000, 16400], ids=["small tiles", "large tiles"])
 def test_swiglu_gemm_full_size_gpu(n_rows, dtype, device):
     check_swiglu_gemm(n_rows, 256, 512, dtype, device, seed=201)
+
+
+def test_swiglu_gemm_refuses_more_row_blocks_than_the_grid_allows(monkeypatch, device):
+    monkeypatch.setattr(sg, "MAX_ROW_BLOCKS", 2)
+    x, weight = torch.ones(200, 16, device=device), torch.ones(32, 16, device=device)
+    with pytest.raises(ValueError, match="row blocks"):
+        sg.gate_up_swiglu(x, weight)

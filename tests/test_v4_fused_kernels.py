@@ -198,7 +198,7 @@ def test_add_rms_norm_rejects_too_wide_rows(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("shape", [(2048, 4096), (1024, 8192), (333, 5000), (4, 128, 256)])
+@pytest.mark.parametrize("shape", [(2048, 4096), (1024, 8192), (333, 5000), (4, 128, 256), (32, 512, 256)])
 def test_add_rms_norm_full_size_gpu(shape, dtype, device):
     check_add_rms_norm(shape, dtype, device, seed=len(shape) + shape[-1])
 
@@ -369,7 +369,7 @@ def test_matmul_to_float32_of_16bit_operands(device):
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the all-ignored 0/0 below
 @pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
-@pytest.mark.parametrize("n_rows", [1, 1023, 1025, 3000])
+@pytest.mark.parametrize("n_rows", [1, 1023, 1025, 3000, 40000])
 def test_mean_loss_counts_only_targets_not_ignored(n_rows, device):
     g = torch.Generator().manual_seed(n_rows)
     row_loss = torch.rand(n_rows, generator=g).to(device)

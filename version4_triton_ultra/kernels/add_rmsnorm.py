@@ -177,25 +177,35 @@ def _block_size(n_features):
     return triton.next_power_of_2(n_features)
 
 
-def _backward_rows_per_tile(block_d):
-    """Rows per [rows, D] tile of the backward kernel: about 4096 elements, so a tile stays in registers."""
-    # In the interpreter: small tiles that still exercise the masking of a partial last tile.
-    return 4 if interpreter_active() else max(1, min(16, 4096 // block_d))
+def _backward_tile(block_d, n_rows, device):
+    """(rows per [rows, D] tile, warps) of the backward kernel.
 
+    About 4096 elements per tile (16 rows at D = 256), so a tile stays in registers, and at most 4 warps for it
+    (num_warps_for alone would give 16 for 16 x 256; the cap used to be 8). Measured on an H100 in version 4's
+    graph-captured step (D = 256): 26.5 us per call against 32.7 us with 8 warps at N = 16384 rows (batch 32 x
+    seq 512, bfloat16), 6.4 against 7.4 us at N = 1024 (the seed size, bfloat16). With fewer threads per
+    program each thread keeps more loads of its rows in flight, and the column sums for grad_weight need fewer
+    cross-warp steps.
 
-def _backward_num_warps(block_rows, block_d):
-    """Warps for the backward kernel: at most 4 for a tile of up to 4096 elements (num_warps_for alone would give
-    16 for 16 x 256; the cap used to be 8), up to 8 for a wider single row.
+    With more rows than the programs (see _backward_program_count) cover with one such tile each, tiles of half
+    the rows with half the warps: on the H100 the batch-32 step took ~31 us less (9 calls at N = 16384, D = 256,
+    i.e. 31 rows per program), while at the seed size (N = 1024, one tile per program) the same tiles made the
+    step ~60 us slower. Only measured at D <= 256 (and on NVIDIA), so wider rows keep the 4096-element tiles.
 
-    Measured on an H100 in version 4's graph-captured step (D = 256, 16-row tiles): 26.5 us per call against
-    32.7 us with 8 warps at N = 16384 rows (batch 32 x seq 512, bfloat16), 6.4 against 7.4 us at N = 1024
-    (the seed size, bfloat16). With fewer threads per program, each thread keeps more loads of its rows in
-    flight, and the tile's column sums for grad_weight need fewer cross-warp steps. A row wider than 4096
-    features is a tile of its own: there 4 warps would give each thread too many elements (at D = 8192,
-    N = 2048 the kernel took 923 us with 4 warps against 162 us with 8, same H100), so the cap stays 8.
+    A row wider than 4096 features is a tile of its own: there 4 warps would give each thread too many
+    elements (at D = 8192, N = 2048 the kernel took 923 us with 4 warps against 162 us with 8, same H100), so
+    the cap stays 8.
     """
-    tile_elements = block_rows * block_d
-    return num_warps_for(tile_elements, max_warps=4 if tile_elements <= 4096 else 8)
+    if interpreter_active():
+        # The interpreter: small tiles that still exercise the masking of a partial last tile.
+        return 4, 1
+    rows = max(1, min(16, 4096 // block_d))
+    programs, _ = _backward_program_count(n_rows, rows, device)
+    if block_d <= 256 and n_rows > programs * rows:
+        rows //= 2
+        return rows, num_warps_for(rows * block_d, max_warps=2)
+    tile_elements = rows * block_d
+    return rows, num_warps_for(tile_elements, max_warps=4 if tile_elements <= 4096 else 8)
 
 
 def _backward_program_count(n_rows, block_rows, device):
@@ -264,7 +274,7 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
         return grad_h, grad_h_copy, torch.zeros(n_features, dtype=torch.float32, device=h.device)
 
     block_d = _block_size(n_features)
-    block_rows = _backward_rows_per_tile(block_d)
+    block_rows, num_warps = _backward_tile(block_d, n_rows, h.device)
     n_programs, rows_per_program = _backward_program_count(n_rows, block_rows, h.device)
     partial_grad_weight = torch.empty((n_features, n_programs), dtype=torch.float32, device=h.device)
     last_sums = n_programs <= LAST_PROGRAM_SUMS_UP_TO
@@ -276,7 +286,7 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
         HAS_RESIDUAL_GRAD=has_residual_grad, WRITE_COPY=grad_h_copy is not None, LAST_SUMS=last_sums,
         BLOCK_P=min(64, triton.next_power_of_2(n_programs)), L2_LOAD="" if is_rocm() else ".cg",
         BLOCK_D=block_d, BLOCK_ROWS=block_rows,
-        num_warps=_backward_num_warps(block_rows, block_d))
+        num_warps=num_warps)
     if not last_sums:
         grad_weight = partial_grad_weight.sum(dim=1)   # a fixed-order reduction: deterministic too
     return grad_h, grad_h_copy, grad_weight

@@ -35,7 +35,10 @@ from tinytransformer.config import ModelConfig, TrainConfig  # noqa: E402
 
 # Kernel families, by kernel name; the first pattern that matches names the family. The vendor libraries' GEMM
 # kernels carry names such as nvjet_*, cutlass_*, sm90_xmma_gemm_* (cuBLAS on NVIDIA), Cijk_* (hipBLASLt / Tensile
-# on AMD), plus cuBLAS's split-K reductions.
+# on AMD), plus cuBLAS's split-K reductions. These families are version 4's own, grouped by what a kernel is FOR
+# in its step (the norms' weight-gradient sums count as norms, the loss's scaling kernel as loss), which is how
+# the README's "where the time goes" table reads. run_ultra_profiling.py keeps a coarser table that fits all
+# four versions (PyTorch's element-wise, copy and reduction kernels by kind), for the census.
 KERNEL_FAMILIES = (
     ("attention", r"flash_attention"),
     ("feed-forward GEMMs + SwiGLU (Triton)", r"swiglu"),

@@ -8,8 +8,9 @@ time, speed-up and the Triton op's achieved bandwidth.
 Ops: add_rmsnorm (residual add + RMSNorm in one kernel, against the add and RMSNorm in PyTorch),
 linear_cross_entropy (output head + cross-entropy in chunks, against the lm_head matmul + F.cross_entropy in
 float32) and embedding (the token lookup whose backward is one scatter-add kernel, against F.embedding).
-Version 3's kernels (rmsnorm, rope, swiglu, flash_attention) are in version3_triton/run_triton_profiling.py. Without a GPU there is nothing to time: `--check` then verifies the
-ops in Triton's CPU interpreter at a small size.
+Version 3's kernels (rmsnorm, rope, swiglu, flash_attention) are in version3_triton/run_triton_profiling.py.
+Without a GPU there is nothing to time: `--check` then verifies the ops in Triton's CPU interpreter at a small
+size.
 
 This file only describes the ops; how they are checked, timed and reported (and why that way) is in
 tinytransformer/kernel_bench.py, shared with version 3.

@@ -312,10 +312,11 @@ def _dkdv_from_query_block(k, v, dk, dv, Q, dOut, Lse, Delta, cols, row_start, s
                            MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add the contribution of the queries [row_start, row_start + BLOCK_M) to dk and dv.
 
-    Works on TRANSPOSED tiles, [keys, queries]: p^T = exp2(k q^T * sm_scale * log2(e) - lse * log2(e)) directly, rather than p and then
-    tl.trans(p). dv += p^T dO and dk += ds^T q then take p^T and ds^T as they are, in registers; transposing a
-    tile that lives in registers would send it through shared memory, twice per query block (measured on an
-    H100 at batch 32 x 8 heads x seq 512 x head dim 32, bfloat16: 60 us per call with the transposes, 53 without).
+    Works on TRANSPOSED tiles, [keys, queries]: p^T = exp2(k q^T * sm_scale * log2(e) - lse * log2(e))
+    directly, rather than p and then tl.trans(p). dv += p^T dO and dk += ds^T q then take p^T and ds^T as they
+    are, in registers; transposing a tile that lives in registers would send it through shared memory, twice
+    per query block (measured on an H100 at batch 32 x 8 heads x seq 512 x head dim 32, bfloat16: 60 us per
+    call with the transposes, 53 without).
     MASKED (causal tiles on the diagonal) zeroes the pairs where the key comes after the query. Keys past the
     end need no mask here: their dk and dv rows are never stored.
     """

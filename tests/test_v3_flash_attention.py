@@ -351,6 +351,52 @@ def test_packed_allocates_poisoned_outputs(monkeypatch, device):
     assert torch.isfinite(out).all() and torch.isfinite(qkv.grad).all()
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_packed_kernels_on_prerotated_qkv(causal, device):
+    """packed_attention_forward / _backward, the kernels without autograd (version 4 wraps them in a Function
+    whose QKV GEMM rotates q and k in its epilogue): on a qkv whose q and k were rotated beforehand, the output
+    is attention of the rotated q and k, and with rope= the gradient comes back for the UNrotated q and k."""
+    batch, heads, seq_len, head_dim = 2, 3, 37, 16
+    dim = heads * head_dim
+    qkv = torch.randn(batch, seq_len, 3 * dim, device=device)
+    grad_out = torch.randn(batch, seq_len, dim, device=device)
+    cos, sin = rope_tables(seq_len + 4, head_dim, device=device)
+
+    qkv64 = qkv.double().requires_grad_()
+    q, k, v = unpack_reference(qkv64, heads)
+    want = pack_heads(reference_attention(q, k, v, causal, 1.0 / math.sqrt(head_dim), (cos, sin)))
+    want.backward(grad_out.double())
+
+    def rotate(t):   # [B, H, S, Dh] in float64, as the GEMM's epilogue would rotate it
+        c, s = cos[:seq_len].double(), sin[:seq_len].double()
+        return t * c + rotate_half(t) * s
+    q, k, v = unpack_reference(qkv.double(), heads)
+    rotated = torch.cat([pack_heads(rotate(q)), pack_heads(rotate(k)), pack_heads(v)], dim=-1).float()
+
+    out, lse = fa.packed_attention_forward(rotated, heads, causal=causal, precise_fp32=True)
+    assert lse.shape == (batch * heads, seq_len) and lse.dtype == torch.float32
+    grad_qkv = fa.packed_attention_backward(rotated, out, lse, grad_out, heads, causal=causal, precise_fp32=True,
+                                            rope=(cos, sin))
+    checks = [("out", out, want)] + list(zip(("dq", "dk", "dv"), grad_qkv.split(dim, dim=-1),
+                                             qkv64.grad.split(dim, dim=-1)))
+    for name, got, ref in checks:
+        error = relative_error(got, ref)
+        assert error < TOLERANCE[torch.float32], f"{name}: relative error {error:.2e}"
+
+
+def test_packed_kernels_without_rope_equal_the_autograd_function(device):
+    """Without RoPE the two ways into the same kernels agree bit for bit."""
+    batch, heads, seq_len, head_dim = 2, 2, 29, 32
+    dim = heads * head_dim
+    qkv = torch.randn(batch, seq_len, 3 * dim, device=device, requires_grad=True)
+    grad_out = torch.randn(batch, seq_len, dim, device=device)
+    out = fa.flash_attention_packed(qkv, heads)
+    out.backward(grad_out)
+    plain_out, lse = fa.packed_attention_forward(qkv.detach(), heads)
+    grad_qkv = fa.packed_attention_backward(qkv.detach(), plain_out, lse, grad_out, heads)
+    assert torch.equal(plain_out, out) and torch.equal(grad_qkv, qkv.grad)
+
+
 def test_packed_non_contiguous_qkv_and_broadcast_grad(device):
     """A qkv that is a column slice of a wider tensor (copied once) and the zero-stride gradient of out.sum()."""
     batch, heads, seq_len, head_dim = 2, 2, 37, 16

@@ -4,6 +4,7 @@
 - linear_cross_entropy: output head + cross-entropy in chunks, the gradient computed during forward.
 - embedding_backward: the token-embedding gradient as one scatter-add kernel.
 - swiglu_gemm: the feed-forward GEMMs with SwiGLU (forward) and its backward in their epilogues.
+- qkv_rope_gemm: the fused QKV GEMM with RoPE in its epilogue, and the attention Function built on it.
 
 Every buffer the wrappers allocate is filled with NaN first (the autouse fixture below), so an element a
 kernel forgets to write fails the test. On CPU the kernels run in Triton's interpreter: shapes are small;
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from version4_triton_ultra.kernels import add_rmsnorm as arn
 from version4_triton_ultra.kernels import embedding_backward as emb
 from version4_triton_ultra.kernels import linear_cross_entropy as lce
+from version4_triton_ultra.kernels import qkv_rope_gemm as qr
 from version4_triton_ultra.kernels import swiglu_gemm as sg
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -39,6 +41,7 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(arn, "_new_output", nan_filled)
     monkeypatch.setattr(lce, "_new_output", nan_filled)
     monkeypatch.setattr(sg, "_new_output", nan_filled)
+    monkeypatch.setattr(qr, "_new_output", nan_filled)
     return allocated
 
 
@@ -529,3 +532,120 @@ def test_swiglu_gemm_refuses_more_row_blocks_than_the_grid_allows(monkeypatch, d
     x, weight = torch.ones(200, 16, device=device), torch.ones(32, 16, device=device)
     with pytest.raises(ValueError, match="row blocks"):
         sg.gate_up_swiglu(x, weight)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# qkv_rope_gemm, and version 4's attention Function on it
+# ----------------------------------------------------------------------------------------------------------
+def rope_reference(t, cos, sin):
+    """Version 1's RoPE (rotate-half) on [..., S, H, Dh] in float64; cos, sin: [S, Dh]."""
+    half = t.shape[-1] // 2
+    rotated_half = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+    return t * cos[:, None, :] + rotated_half * sin[:, None, :]
+
+
+def reference_qkv_rope(x, weight, cos, sin, seq_len, head_dim):
+    """[N, 3D] = x @ weight^T with q and k rotated, in float64."""
+    qkv = (x.double() @ weight.double().T).view(-1, seq_len, 3, weight.shape[0] // (3 * head_dim), head_dim)
+    cos, sin = cos[:seq_len].double(), sin[:seq_len].double()
+    q, k, v = qkv.unbind(2)
+    return torch.stack([rope_reference(q, cos, sin), rope_reference(k, cos, sin), v], dim=2).reshape(x.shape[0], -1)
+
+
+def check_qkv_rope(batch, seq_len, heads, head_dim, dtype, device, seed, n_in=None):
+    from version3_triton.kernels.rope import rope_tables
+    dim = heads * head_dim
+    n_in = n_in or dim
+    x = random((batch * seq_len, n_in), dtype, device, seed)
+    weight = random((3 * dim, n_in), dtype, device, seed + 1, scale=n_in ** -0.5)
+    cos, sin = rope_tables(seq_len + 3, head_dim, device=device)
+    qkv = qr.qkv_rope(x, weight, cos, sin, seq_len, head_dim)
+    assert qkv.dtype == dtype
+    tolerance_dtype = torch.bfloat16 if sg.dot_precision(dtype) == "tf32" and x.is_cuda else dtype
+    want = reference_qkv_rope(x, weight, cos, sin, seq_len, head_dim)
+    for name, got, ref in zip("qkv", qkv.split(dim, dim=-1), want.split(dim, dim=-1)):
+        assert_matches(got, ref, tolerance_dtype, name)
+
+
+@pytest.mark.parametrize("batch, seq_len, heads, head_dim", [(2, 5, 3, 16), (1, 37, 2, 32), (3, 16, 1, 16)],
+                         ids=["rows not a multiple of the tile", "two heads of 32", "one head, whole tiles"])
+def test_qkv_rope_matches_reference(batch, seq_len, heads, head_dim, device):
+    check_qkv_rope(batch, seq_len, heads, head_dim, torch.float32, device, seed=211, n_in=40)
+
+
+@pytest.mark.parametrize("heads, block_n", [(4, 32), (3, 64)], ids=["two heads per tile", "a tile of k and v"])
+def test_qkv_rope_tiles_of_several_heads(heads, block_n, monkeypatch, device):
+    """On a GPU a column tile holds several heads (BLOCK_N 64 or 128, head dim 32): the same here with heads of
+    16, so the per-head rotation inside one tile is checked on the CPU too; with 3 heads and 4 per tile, one
+    tile holds the last k head and the first v heads, and only the k head may be rotated."""
+    monkeypatch.setattr(qr, "_launch_config", lambda *args: dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=16,
+                                                                    num_warps=1, num_stages=1))
+    check_qkv_rope(2, 9, heads, 16, torch.float32, device, seed=221)
+
+
+def test_qkv_rope_rejects_bad_inputs(device):
+    from version3_triton.kernels.rope import rope_tables
+    cos, sin = rope_tables(8, 16, device=device)
+    x, weight = torch.ones(16, 32, device=device), torch.ones(96, 32, device=device)
+    with pytest.raises(ValueError, match="whole sequences"):
+        qr.qkv_rope(x, weight, cos, sin, 5, 16)
+    with pytest.raises(ValueError, match="table"):
+        qr.qkv_rope(x[:10], weight, cos, sin, 10, 16)
+    with pytest.raises(ValueError, match="head_dim"):
+        qr.qkv_rope(x, torch.ones(90, 32, device=device), cos, sin, 8, 16)
+    with pytest.raises(ValueError, match="one dtype"):
+        qr.qkv_rope(x, weight.half(), cos, sin, 8, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, seq_len", [(8, 128), (32, 512)], ids=["small tiles", "large tiles"])
+def test_qkv_rope_full_size_gpu(batch, seq_len, dtype, device):
+    check_qkv_rope(batch, seq_len, 8, 32, dtype, device, seed=231)
+
+
+@pytest.mark.gpu
+def test_qkv_rope_head_dim_128_gpu(device):
+    check_qkv_rope(4, 128, 2, 128, torch.bfloat16, device, seed=241)
+
+
+def check_rotary_qkv_attention(batch, seq_len, heads, head_dim, dtype, device, seed):
+    """Version 4's RotaryQKVAttention (QKV GEMM + RoPE epilogue -> flash attention) against float64 autograd of
+    attention(RoPE(x @ W^T)): the output and the gradients of x and W."""
+    from version3_triton.kernels.rope import rope_tables
+    from version4_triton_ultra.tiny_llama_v4 import RotaryQKVAttention
+    dim = heads * head_dim
+    x = leaf(random((batch, seq_len, dim), dtype, device, seed))
+    weight = leaf(random((3 * dim, dim), torch.float32, device, seed + 1, scale=dim ** -0.5))
+    grad_out = random((batch, seq_len, dim), dtype, device, seed + 2)
+    cos, sin = rope_tables(seq_len, head_dim, device=device)
+    gemm_weight = weight if dtype == torch.float32 else weight.detach().to(dtype)
+    precise = dtype == torch.float32
+    out = RotaryQKVAttention.apply(x, weight, gemm_weight, cos, sin, heads, precise, None)
+    out.backward(grad_out)
+
+    x64, weight64 = as_float64_leaf(x), as_float64_leaf(weight)
+    qkv = (x64 @ weight64.T).view(batch, seq_len, 3, heads, head_dim)
+    q, k, v = qkv.unbind(2)
+    q, k = rope_reference(q, cos.double(), sin.double()), rope_reference(k, cos.double(), sin.double())
+    scores = torch.einsum("bshd,bthd->bhst", q, k) / math.sqrt(head_dim)
+    future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)
+    probabilities = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    want = torch.einsum("bhst,bthd->bshd", probabilities, v).reshape(batch, seq_len, dim)
+    want.backward(grad_out.double())
+
+    tolerance_dtype = torch.bfloat16 if sg.dot_precision(dtype) == "tf32" and x.is_cuda else dtype
+    assert out.dtype == dtype
+    assert_matches(out, want, tolerance_dtype, "out")
+    assert_matches(x.grad, x64.grad, tolerance_dtype, "grad x")
+    assert_matches(weight.grad, weight64.grad, tolerance_dtype, "grad weight")
+
+
+def test_rotary_qkv_attention_matches_float64(device):
+    check_rotary_qkv_attention(2, 19, 2, 16, torch.float32, device, seed=251)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_qkv_attention_full_size_gpu(dtype, device):
+    check_rotary_qkv_attention(4, 512, 8, 32, dtype, device, seed=261)

@@ -4,6 +4,7 @@
     python profile_graphed_step.py --use-amp                        (bfloat16 autocast)
     python profile_graphed_step.py --use-amp --batch-size 32 --seq-len 512 --top 20
     python profile_graphed_step.py --no-weight-grad-stream          (weight gradients on the main stream)
+    python profile_graphed_step.py --rope-in-attention              (RoPE on load instead of in the QKV GEMM)
 
 The training script (tiny_llama_v4.py) times the whole loop: the graph replay plus the copy of each batch into
 the graph's input buffers. This script builds the same model and the same GraphedStep, replays it on one fixed
@@ -12,8 +13,8 @@ batch, and reports
   2. a table of the kernels of one step, from the PyTorch profiler over 10 replays: how many times each kernel
      runs per step, its mean duration and its total per step, largest first; plus the sum over all kernels and
      the device time from the first kernel to the last (under the profiler, so larger than the median of 1);
-  3. the same kernel time summed per family (attention, vendor GEMMs, the feed-forward's fused GEMMs, norms, loss,
-     optimizer, embedding, other), largest first.
+  3. the same kernel time summed per family (attention, vendor GEMMs, the QKV and feed-forward GEMMs with fused
+     epilogues, norms, loss, optimizer, embedding, other), largest first.
 That table is where the "what is left" of version 4 is read: GEMMs, attention, norms, the optimizer, casts.
 With the weight-gradient stream (the default) kernels of the two streams overlap, and each one runs slower than
 alone: per-kernel times then add up to more than the step. `--no-weight-grad-stream` gives the cleaner split.
@@ -42,6 +43,7 @@ from tinytransformer.config import ModelConfig, TrainConfig  # noqa: E402
 KERNEL_FAMILIES = (
     ("attention", r"flash_attention"),
     ("feed-forward GEMMs + SwiGLU (Triton)", r"swiglu"),
+    ("QKV GEMM + RoPE (Triton)", r"qkv_rope"),
     ("GEMMs (vendor BLAS)", r"gemm|nvjet|cutlass|Cijk_|splitKreduce|cublas"),
     ("norms", r"rms_norm|native::reduce_kernel"),   # PyTorch's reduce_kernel: the norm weight-gradient sums
     ("loss", r"cross_entropy|mean_loss|_scale_kernel"),
@@ -74,6 +76,8 @@ def parse_args(argv):
     parser.add_argument("--use-amp", action="store_true", help="bfloat16 autocast (default: float32 with TF32)")
     parser.add_argument("--no-weight-grad-stream", dest="weight_grad_stream", action="store_false",
                         help="weight-gradient GEMMs on the main stream (default: on a second stream)")
+    parser.add_argument("--rope-in-attention", action="store_true",
+                        help="RoPE as the attention kernel loads q and k (default: in the QKV GEMM's epilogue)")
     parser.add_argument("--steps", type=positive_int, default=200, help="timed replays [200]")
     parser.add_argument("--top", type=positive_int, default=45, help="kernel rows to print [45]")
     args = parser.parse_args(argv)
@@ -91,6 +95,7 @@ def build_step(args):
                         amp_dtype="bfloat16")
     model = v4.TinyLlama(config)
     model.capturable_optimizer = True
+    model.use_rope_in_attention(args.rope_in_attention)
     model.cuda()
     step = v4.GraphedStep(model, model.configure_optimizer(train), torch.device("cuda"), train,
                           weight_gradient_stream=args.weight_grad_stream)

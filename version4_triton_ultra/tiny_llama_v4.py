@@ -3,8 +3,11 @@
 What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llama_v4.py`):
   1. Residual add + RMSNorm in one kernel (kernels/add_rmsnorm.py): writes the new residual stream AND the
      normalised activations of the next sub-layer in one pass; the backward is one pass too.
-  2. RoPE inside attention: q and k are rotated as the flash-attention kernel loads them (and the gradients
-     rotated back as it stores them), so the separate RoPE pass of version 3 disappears.
+  2. RoPE inside the QKV GEMM (kernels/qkv_rope_gemm.py): the GEMM rotates q and k in its epilogue, and the
+     attention backward rotates the gradients back as it stores them, so the separate RoPE pass of version 3
+     disappears (RotaryQKVAttention). --rope-in-attention instead rotates q and k as the flash-attention
+     kernel loads them, the way version 4 first did it: slower, because every key block is rotated once per
+     query block that reads it (the README measures both).
   3. Attention reads q, k, v straight from the fused QKV output and writes its output in the layout the output
      projection reads: no copies (version 3 transposes q, k, v and the output, and again in the backward pass).
   4. SwiGLU inside the feed-forward GEMMs (kernels/swiglu_gemm.py): the gate/up GEMM computes h = silu(gate) * up
@@ -47,12 +50,14 @@ from tinytransformer.profiling import profile_range  # noqa: E402
 from tinytransformer.trainer import EagerStep  # noqa: E402
 from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
                                      init_canonical_weights, split)
-from version3_triton.kernels.flash_attention import flash_attention_packed  # noqa: E402
+from version3_triton.kernels.flash_attention import (flash_attention_packed, packed_attention_backward,  # noqa: E402
+                                                     packed_attention_forward)
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
 from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm  # noqa: E402
 from version4_triton_ultra.kernels.embedding_backward import embedding_lookup  # noqa: E402
 from version4_triton_ultra.kernels.linear_cross_entropy import (  # noqa: E402
     accumulate_matmul, linear_cross_entropy, matmul_to_float32)
+from version4_triton_ultra.kernels.qkv_rope_gemm import qkv_rope  # noqa: E402
 from version4_triton_ultra.kernels.swiglu_gemm import down_swiglu_backward, gate_up_swiglu  # noqa: E402
 
 
@@ -186,6 +191,41 @@ class SwiGLUFeedForward(torch.autograd.Function):
         return grad_x, grad_gate_up_weight, None, grad_down_weight, None, None
 
 
+class RotaryQKVAttention(torch.autograd.Function):
+    """out = attention(RoPE(x @ W_qkv^T)), causal, with RoPE in the QKV GEMM's epilogue (kernels/qkv_rope_gemm.py).
+
+    Forward: one Triton GEMM writes qkv [B, S, 3D] with q and k already rotated; the flash-attention forward reads
+    it as it is (no RoPE in its loops). The backward reads the same qkv, which is all attention saves besides
+    out and lse; its kernels rotate dq and dk back as they store them, which makes grad_qkv the gradient of the
+    GEMM's unrotated output, and the GEMM's backward is two vendor GEMMs: grad_x, and the float32 weight
+    gradient (on the weight-gradient stream when there is one). Weight operands as in ProjectionMatmul.
+    """
+
+    @staticmethod
+    def forward(ctx, x, qkv_weight, qkv_gemm_weight, cos, sin, num_heads, precise_fp32, weight_grad_stream):
+        batch, seq_len, dim = x.shape
+        x_rows = x.reshape(-1, dim).to(qkv_gemm_weight.dtype)
+        qkv = qkv_rope(x_rows, qkv_gemm_weight, cos, sin, seq_len, dim // num_heads).view(batch, seq_len, 3 * dim)
+        out, lse = packed_attention_forward(qkv, num_heads, causal=True, precise_fp32=precise_fp32)
+        ctx.save_for_backward(x_rows, qkv_gemm_weight, qkv, out, lse, cos, sin)
+        ctx.weight, ctx.weight_grad_stream = qkv_weight, weight_grad_stream
+        ctx.num_heads, ctx.precise_fp32, ctx.x_shape = num_heads, precise_fp32, x.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_rows, qkv_gemm_weight, qkv, out, lse, cos, sin = ctx.saved_tensors
+        grad_qkv = packed_attention_backward(qkv, out, lse, grad_out, ctx.num_heads, causal=True,
+                                             precise_fp32=ctx.precise_fp32, rope=(cos, sin))
+        grad_rows = grad_qkv.view(-1, grad_qkv.shape[-1])
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:   # first: the critical path
+            grad_x = (grad_rows @ qkv_gemm_weight).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = weight_gradient(ctx.weight, grad_rows, x_rows, ctx.weight_grad_stream)
+        return grad_x, grad_weight, None, None, None, None, None, None
+
+
 class Projection(nn.Linear):
     """A bias-free nn.Linear that, under autocast, multiplies with the 16-bit copy of its weight that the model
     refreshes once per forward pass for all projections together (TinyLlama.refresh_16bit_weights), and whose
@@ -220,7 +260,11 @@ def gemm_input_dtype(device_type: str):
 
 
 class Attention(nn.Module):
-    """Fused QKV GEMM -> flash attention with RoPE on load, on the GEMMs' [B, S, *] layout -> output GEMM."""
+    """Fused QKV GEMM with RoPE in its epilogue -> flash attention, on the GEMMs' [B, S, *] layout -> output GEMM.
+
+    With rope_in_qkv_gemm False (--rope-in-attention), the way version 4 first fused RoPE: a vendor QKV GEMM, and
+    the attention kernel rotates q and k as it loads them. Both compute the same function.
+    """
 
     exact_float32 = False   # True: float32 dot products in IEEE float32 instead of TF32 (tests, debugging)
 
@@ -230,14 +274,19 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.qkv_proj = Projection(d, 3 * d)   # rows: [q; k; v]
         self.o_proj = Projection(d, d)
+        self.rope_in_qkv_gemm = True
 
     def forward(self, x, cos, sin):
         with profile_range("attention"):
-            # [B, S, 3D]: per token the q heads, then the k heads, then the v heads. The kernels read each head
-            # in place (row stride 3D) instead of transposing q, k, v into [B, H, S, Dh] first.
-            qkv = self.qkv_proj(x)
-            out = flash_attention_packed(qkv, self.num_heads, causal=True, rope=(cos, sin),
-                                         precise_fp32=self.exact_float32)
+            # qkv is [B, S, 3D]: per token the q heads, then the k heads, then the v heads. The kernels read each
+            # head in place (row stride 3D) instead of transposing q, k, v into [B, H, S, Dh] first.
+            if self.rope_in_qkv_gemm:
+                out = RotaryQKVAttention.apply(x, self.qkv_proj.weight, self.qkv_proj.gemm_weight(x.device.type),
+                                               cos, sin, self.num_heads, self.exact_float32,
+                                               self.qkv_proj.weight_grad_stream)
+            else:
+                out = flash_attention_packed(self.qkv_proj(x), self.num_heads, causal=True, rope=(cos, sin),
+                                             precise_fp32=self.exact_float32)
             # out: [B, S, D], head h in columns h*Dh:(h+1)*Dh, which is exactly what o_proj reads. The backward
             # pass writes dq, dk, dv into one [B, S, 3D] gradient of qkv, so no copies either way.
             return self.o_proj(out)
@@ -378,6 +427,11 @@ class TinyLlama(nn.Module):
                                  weight_decay=train.weight_decay, fused=fused or None,
                                  capturable=on_gpu and self.capturable_optimizer)
 
+    def use_rope_in_attention(self, enabled: bool = True):
+        """RoPE as the attention kernel loads q and k (True) or in the QKV GEMM's epilogue (False, the default)."""
+        for layer in self.layers:
+            layer.attention.rope_in_qkv_gemm = not enabled
+
     def use_exact_float32(self, exact: bool = True):
         """Float32 attention dot products in IEEE float32 rather than TF32 (equivalence tests use this)."""
         for layer in self.layers:
@@ -477,6 +531,9 @@ def add_arguments(group):
     group.add_argument("--no-weight-grad-stream", dest="weight_grad_stream", action="store_false", default=True,
                        help="in the graph-captured step, compute the weight gradients on the main stream instead "
                             "of a second one (to measure what the overlap saves)")
+    group.add_argument("--rope-in-attention", action="store_true",
+                       help="rotate q and k by RoPE as the attention kernel loads them, after a vendor QKV GEMM, "
+                            "instead of in the QKV GEMM's epilogue (version 4's first fusion of RoPE; to compare)")
     group.add_argument("--graph-warmup-steps", type=int, default=3,
                        help="eager steps before the graph is captured")
 
@@ -503,6 +560,7 @@ def check_arguments(args, device):
 def build_model(config, args):
     model = TinyLlama(config)
     model.capturable_optimizer = bool(args.cuda_graph)
+    model.use_rope_in_attention(args.rope_in_attention)
     return model
 
 
@@ -520,7 +578,9 @@ def describe(args) -> dict:
         step += ", weight gradients on " + ("a second stream" if args.weight_grad_stream else "the main stream")
     if interpreter_active():
         step += " (Triton interpreter on the CPU: slow, for correctness)"
-    return {"step": step, "matmuls": "TF32 tensor cores for float32" if args.tf32 else "exact float32"}
+    rope = "in the attention kernel, on load" if args.rope_in_attention else "in the QKV GEMM's epilogue"
+    return {"step": step, "matmuls": "TF32 tensor cores for float32" if args.tf32 else "exact float32",
+            "RoPE": rope}
 
 
 SPEC = VersionSpec(name="v4", title="Triton ultra-fused", build_model=build_model, add_arguments=add_arguments,

@@ -641,6 +641,28 @@ def _run_backward(problem: _Problem, q, k, v, out, lse, cos, sin, grad_out, dq, 
     )
 
 
+def _packed_problem(qkv: torch.Tensor, num_heads: int, causal: bool, sm_scale: float,
+                    precise_fp32: bool) -> _Problem:
+    """The _Problem of a contiguous packed qkv [B, S, 3D]: q, k and v are all qkv, k starting D columns and v 2D
+    columns after q; out is [B, S, D]."""
+    batch, seq_len, width = qkv.shape
+    dim = width // 3
+    head_dim = dim // num_heads
+    return _Problem(batch, num_heads, seq_len, head_dim,
+                    qkv_strides=(seq_len * width, head_dim, width), out_strides=(seq_len * dim, head_dim, dim),
+                    causal=causal, sm_scale=sm_scale, precision=_dot_precision(qkv.dtype, precise_fp32),
+                    k_offset=dim, v_offset=2 * dim)
+
+
+def _packed_backward(problem: _Problem, qkv, out, lse, cos, sin, grad_out) -> torch.Tensor:
+    """grad_qkv [B, S, 3D] from the packed forward's saved tensors (qkv with q and k as they were scored)."""
+    grad_out = grad_out.contiguous()  # as in FlashAttentionFunction: read with out's strides
+    grad_qkv = _new_buffer(qkv.shape, qkv.dtype, qkv.device)
+    # The kernels write dq, dk, dv straight into the three column blocks of grad_qkv (offsets as forward).
+    _run_backward(problem, qkv, qkv, qkv, out, lse, cos, sin, grad_out, grad_qkv, grad_qkv, grad_qkv)
+    return grad_qkv
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Autograd
 # ----------------------------------------------------------------------------------------------------------
@@ -690,16 +712,10 @@ class FlashAttentionPackedFunction(torch.autograd.Function):
     def forward(ctx, qkv, num_heads: int, causal: bool, sm_scale: float, cos, sin, precise_fp32: bool):
         qkv = qkv.contiguous()  # a projection's output already is: then this costs nothing
         batch, seq_len, width = qkv.shape
-        dim = width // 3
-        head_dim = dim // num_heads
-        problem = _Problem(batch, num_heads, seq_len, head_dim,
-                           qkv_strides=(seq_len * width, head_dim, width),
-                           out_strides=(seq_len * dim, head_dim, dim),
-                           causal=causal, sm_scale=sm_scale, precision=_dot_precision(qkv.dtype, precise_fp32),
-                           k_offset=dim, v_offset=2 * dim)
+        problem = _packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32)
         cos, sin = _rope_tables(cos, sin, seq_len, qkv.device)
 
-        out = _new_buffer((batch, seq_len, dim), qkv.dtype, qkv.device)
+        out = _new_buffer((batch, seq_len, width // 3), qkv.dtype, qkv.device)
         # q, k and v are all qkv: the problem's k_offset and v_offset say where k and v start.
         if cos is None:
             lse = _run_forward(problem, qkv, qkv, qkv, out, cos, sin)
@@ -715,10 +731,7 @@ class FlashAttentionPackedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         qkv, out, lse, cos, sin = ctx.saved_tensors
-        grad_out = grad_out.contiguous()  # as in FlashAttentionFunction: read with out's strides
-        grad_qkv = _new_buffer(qkv.shape, qkv.dtype, qkv.device)
-        # The kernels write dq, dk, dv straight into the three column blocks of grad_qkv (offsets as forward).
-        _run_backward(ctx.problem, qkv, qkv, qkv, out, lse, cos, sin, grad_out, grad_qkv, grad_qkv, grad_qkv)
+        grad_qkv = _packed_backward(ctx.problem, qkv, out, lse, cos, sin, grad_out)
         # One gradient per forward input: qkv, then none for num_heads, causal, sm_scale, cos, sin, precise_fp32.
         return grad_qkv, None, None, None, None, None, None
 
@@ -763,3 +776,41 @@ def flash_attention_packed(qkv: torch.Tensor, num_heads: int, causal: bool = Tru
         sm_scale = 1.0 / math.sqrt(head_dim)
     cos, sin = rope if rope is not None else (None, None)
     return FlashAttentionPackedFunction.apply(qkv, num_heads, causal, float(sm_scale), cos, sin, precise_fp32)
+
+
+def packed_attention_forward(qkv: torch.Tensor, num_heads: int, causal: bool = True,
+                             sm_scale: float | None = None, precise_fp32: bool = False):
+    """The packed layout's forward kernel without autograd: (out [B, S, D], lse [B*H, S] float32).
+
+    For a caller that wraps its own autograd Function around attention and something before it: version 4's
+    QKV GEMM rotates q and k in its epilogue, so qkv arrives with q and k already rotated, and its Function
+    calls this, then packed_attention_backward with the RoPE tables. Arguments as for flash_attention_packed.
+    """
+    _check_packed_input(qkv, num_heads, None)
+    qkv = qkv.contiguous()
+    head_dim = qkv.shape[-1] // (3 * num_heads)
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    problem = _packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32)
+    batch, seq_len, width = qkv.shape
+    out = _new_buffer((batch, seq_len, width // 3), qkv.dtype, qkv.device)
+    lse = _run_forward(problem, qkv, qkv, qkv, out, None, None)
+    return out, lse
+
+
+def packed_attention_backward(qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+                              num_heads: int, causal: bool = True, sm_scale: float | None = None,
+                              precise_fp32: bool = False, rope=None) -> torch.Tensor:
+    """grad_qkv [B, S, 3D] for packed_attention_forward's (out, lse) on the same qkv and options.
+
+    rope=(cos, sin): q and k in qkv are RoPE-rotated by these tables, and dq, dk are rotated back before they
+    are stored, so grad_qkv is the gradient with respect to the unrotated q and k (what the GEMM that produced
+    them needs). Without rope it is the gradient with respect to qkv itself.
+    """
+    _check_packed_input(qkv, num_heads, rope)
+    qkv = qkv.contiguous()
+    head_dim = qkv.shape[-1] // (3 * num_heads)
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    problem = _packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32)
+    cos, sin = rope if rope is not None else (None, None)
+    cos, sin = _rope_tables(cos, sin, qkv.shape[1], qkv.device)
+    return _packed_backward(problem, qkv, out, lse, cos, sin, grad_out)

@@ -1,0 +1,144 @@
+"""The fused QKV projection with RoPE in its epilogue: q and k leave the GEMM already rotated.
+
+Attention needs q and k rotated by RoPE. Rotating them as the attention kernel loads them (version 4's first
+way, `flash_attention_packed(..., rope=...)`) costs more than it looks: the forward kernel loads every key
+block once per query block that visits it, so each k row is rotated S / BLOCK_M times over, and the kernel
+has to write the rotated q and k (and a copy of v) for the backward pass. The GEMM that produces q and k is a
+better place: there every element of q and k is rotated exactly once, while the tile is still in registers
+(the epilogue), and the one [N, 3D] output is at once what attention reads and what its backward reads.
+
+    qkv_rope(x, W_qkv, cos, sin, seq_len)    qkv = x @ W_qkv^T, [N, 3D], columns [q heads | k heads | v heads];
+                                             then, in the same program, every q and k head rotated:
+                                             rot(t) = t * cos + rotate_half(t) * sin (the rotate-half
+                                             convention of ../../version3_triton/kernels/rope.py).
+
+Row r of x is position r % seq_len of its sequence (x is [B * S, D] flattened). A program's BLOCK_N columns
+are whole heads (BLOCK_N is a multiple of the head dim, both powers of two), so rotate_half, which pairs
+column j of a head with column j + Dh/2, never needs a column of another program. The rotation runs in float32 on the product rounded
+to the output dtype first, exactly what rotating a GEMM's stored output would compute.
+
+The backward pass needs no kernel here: the attention backward returns dq and dk rotated back (the transpose
+of the rotation), which are the gradients of the GEMM's unrotated output, and the GEMM's backward is two
+ordinary vendor GEMMs. Offsets into the activations are int64; into the weights int32 (weights of up to
+2**31 elements).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from tinytransformer.triton_support import interpreter_active, is_rocm
+from version3_triton.kernels.flash_attention import _rotate_half
+from version4_triton_ultra.kernels.swiglu_gemm import MAX_ROW_BLOCKS, SUPPORTED_DTYPES, dot_precision
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    x_ptr,        # [n_rows, n_in], contiguous
+    w_ptr,        # [3 * D, n_in], contiguous: rows [q; k; v] (the fused QKV projection's weight)
+    cos_ptr,      # [>= seq_len, HEAD_DIM] float32, contiguous: cos of position p, column j
+    sin_ptr,      # same shape: sin
+    qkv_ptr,      # out: [n_rows, 3 * D]
+    n_rows, n_in, dim, seq_len,
+    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program: rows [BLOCK_M] x columns [BLOCK_N] of qkv. Grid: (cdiv(3D, BLOCK_N), cdiv(N, BLOCK_M)); the
+    column blocks of one row block run side by side and share its x tile in L2."""
+    col_start = tl.program_id(0) * BLOCK_N
+    cols = col_start + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)   # int64: N * 3D may pass 2**31
+    row_mask, col_mask = rows < n_rows, cols < 3 * dim
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, n_in, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_mask = ks < n_in
+        x = tl.load(x_ptr + rows[:, None] * n_in + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * n_in + ks[None, :], mask=col_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+
+    # The epilogue. Round to the output dtype first, as a GEMM storing qkv would, then rotate q and k.
+    qkv = acc.to(qkv_ptr.dtype.element_ty)
+    if col_start < 2 * dim:   # the tile holds q or k columns (v is stored as it is)
+        # The tile as [row, head, column within the head]: every head of a row shares its position's cos and
+        # sin, so the tables are read as [BLOCK_M, HEAD_DIM] and broadcast over the heads. (Reading them as a
+        # full [BLOCK_M, BLOCK_N] tile made this kernel 1.6x slower on an H100.)
+        heads_per_tile: tl.constexpr = BLOCK_N // HEAD_DIM
+        table_offsets = (rows % seq_len)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+        cos = tl.load(cos_ptr + table_offsets)[:, None, :]   # rows past n_rows still index a real position
+        sin = tl.load(sin_ptr + table_offsets)[:, None, :]
+        heads = tl.reshape(qkv.to(tl.float32), (BLOCK_M, heads_per_tile, HEAD_DIM))
+        # rotate_half pairs the two halves of each head: one head per row of a [BLOCK_M * heads, HEAD_DIM] view.
+        swapped = tl.reshape(_rotate_half(tl.reshape(heads, (BLOCK_M * heads_per_tile, HEAD_DIM)),
+                                          BLOCK_M * heads_per_tile, HEAD_DIM), (BLOCK_M, heads_per_tile, HEAD_DIM))
+        rotated = tl.reshape(heads * cos + swapped * sin, (BLOCK_M, BLOCK_N)).to(qkv_ptr.dtype.element_ty)
+        qkv = tl.where((cols < 2 * dim)[None, :], rotated, qkv)   # a tile may end in v's first heads
+    tl.store(qkv_ptr + rows[:, None] * (3 * dim) + cols[None, :], qkv,
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _new_output(shape, dtype, device):
+    """The output buffer (uninitialised: the kernel writes every element); tests hand out NaN-filled ones."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _launch_config(dtype: torch.dtype, n_rows: int, head_dim: int) -> dict:
+    """Tiles, warps and pipeline stages; BLOCK_N holds whole heads. From a sweep of 12 configs on an H100 (hidden
+    256, head dim 32; N = 1024 and 16384 rows), the kernel alone replayed from a graph: the fastest, or within
+    5% of it. Beside cuBLAS's plain QKV GEMM: 23.4 vs 17.2 us at N = 16384 in bfloat16, 4.3 vs 3.2 us at
+    N = 1024; in float32 (TF32) 5.6 vs 7.0 us. On another GPU the best choice may differ."""
+    if interpreter_active():
+        # NumPy executes every block operation: small tiles keep CPU tests quick (16 is tl.dot's minimum).
+        return dict(BLOCK_M=16, BLOCK_N=max(16, head_dim), BLOCK_K=16, num_warps=1, num_stages=1)
+    # AMD GPUs have 64 KiB of shared memory per compute unit (an H100 228 KiB): fewer stages, and float32
+    # tiles half as deep there.
+    stages = 2 if is_rocm() else 3
+    # Wider column tiles when there are enough rows to fill the GPU (and in float32, at any size).
+    block_n = max(128, head_dim) if n_rows >= 8192 or dtype == torch.float32 else max(64, head_dim)
+    if dtype == torch.float32:
+        return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=32 if is_rocm() else 64, num_warps=4, num_stages=stages)
+    return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=64, num_warps=8, num_stages=stages)
+
+
+def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_len: int,
+             head_dim: int) -> torch.Tensor:
+    """qkv = x @ weight^T with its q and k heads rotated by RoPE.
+
+    x: [N, K] with N = B * seq_len (row r is position r % seq_len); weight: [3D, K], rows [q; k; v], one dtype
+    with x among float32 / float16 / bfloat16; cos, sin: [>= seq_len, head_dim] tables (any float dtype; read
+    as float32). Returns qkv: [N, 3D] in x's dtype.
+    """
+    if x.dtype not in SUPPORTED_DTYPES or x.dim() != 2 or weight.dim() != 2 or weight.dtype != x.dtype:
+        raise ValueError(f"need x [N, K] and weight [3D, K] of one dtype among {SUPPORTED_DTYPES}; got {x.dtype} "
+                         f"{list(x.shape)} and {weight.dtype} {list(weight.shape)}")
+    n_rows, n_in = x.shape
+    width = weight.shape[0]
+    if weight.shape[1] != n_in or width % 3 or (width // 3) % head_dim:
+        raise ValueError(f"weight must be [3D, {n_in}] with D a multiple of head_dim {head_dim}; "
+                         f"got {list(weight.shape)}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} not supported; use one of {SUPPORTED_HEAD_DIMS}")
+    if seq_len < 1 or n_rows % seq_len:
+        raise ValueError(f"x has {n_rows} rows: not whole sequences of {seq_len}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 2 or table.shape[0] < seq_len or table.shape[1] != head_dim:
+            raise ValueError(f"rope {name} table must be [>= {seq_len}, {head_dim}]; got {list(table.shape)}")
+    dim = width // 3
+    config = _launch_config(x.dtype, n_rows, head_dim)
+    x, weight = x.contiguous(), weight.contiguous()
+    cos, sin = (table[:seq_len].to(device=x.device, dtype=torch.float32).contiguous() for table in (cos, sin))
+    qkv = _new_output((n_rows, width), x.dtype, x.device)
+    if n_rows == 0:
+        return qkv
+    row_blocks = triton.cdiv(n_rows, config["BLOCK_M"])
+    if row_blocks > MAX_ROW_BLOCKS:
+        raise ValueError(f"{n_rows} rows need {row_blocks} row blocks of {config['BLOCK_M']}; the grid allows "
+                         f"{MAX_ROW_BLOCKS}: use a smaller batch x sequence")
+    grid = (triton.cdiv(width, config["BLOCK_N"]), row_blocks)
+    _qkv_rope_kernel[grid](x, weight, cos, sin, qkv, n_rows, n_in, dim, seq_len,
+                           HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(x.dtype), **config)
+    return qkv

@@ -25,8 +25,8 @@ Each output element is written by exactly one program, so there are no atomics a
 deterministic; the price is computing q k^T and dO v^T twice.
 (The kernels evaluate these exponentials as exp2, with log2(e) folded into the scale: see _LOG2E.)
 
-RoPE on load (used by version 4): rotary embeddings rotate q and k by a position-dependent angle just
-before attention. With `rope=(cos, sin)` the forward kernel receives UNrotated q and k and rotates each block
+RoPE on load (version 4 with --rope-in-attention): rotary embeddings rotate q and k by a position-dependent
+angle just before attention. With `rope=(cos, sin)` the forward kernel receives UNrotated q and k and rotates each block
 as it is loaded, in the rotate-half convention
     rot(x) = x * cos + rotate_half(x) * sin,     rotate_half(x) = cat(-x[..., Dh/2:], x[..., :Dh/2]),
 with cos and sin of shape [S, Dh] and equal on both halves. No separate RoPE pass runs before attention. The
@@ -35,7 +35,9 @@ does not rotate everything a second and third time, each forward program also wr
 of its own positions (and, in the packed layout, a copy of the v rows) into a buffer laid out like the input,
 which is what the forward saves for the backward: the backward kernels then read q and k as they are. The
 gradients come back with respect to the unrotated inputs: the rotation is orthogonal, so its transpose,
-x * cos - rotate_half(x) * sin, is applied to dq and dk once before they are stored.
+x * cos - rotate_half(x) * sin, is applied to dq and dk once before they are stored. (By default version 4
+rotates q and k in its QKV GEMM's epilogue instead, and calls the kernels through packed_attention_forward /
+packed_attention_backward: the forward without RoPE, the backward with its rotation of dq and dk.)
 
 Two entry points share the same kernels (they differ only in the strides they pass, see "Addressing"):
     flash_attention(q, k, v)             q, k, v, out: [B, H, S, Dh]                      (the textbook layout)
@@ -778,6 +780,16 @@ def flash_attention_packed(qkv: torch.Tensor, num_heads: int, causal: bool = Tru
     return FlashAttentionPackedFunction.apply(qkv, num_heads, causal, float(sm_scale), cos, sin, precise_fp32)
 
 
+def _checked_packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32, rope):
+    """(contiguous qkv, its _Problem) for the two functions below, after the checks flash_attention_packed makes;
+    sm_scale None means 1 / sqrt(Dh)."""
+    _check_packed_input(qkv, num_heads, rope)
+    qkv = qkv.contiguous()
+    head_dim = qkv.shape[-1] // (3 * num_heads)
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    return qkv, _packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32)
+
+
 def packed_attention_forward(qkv: torch.Tensor, num_heads: int, causal: bool = True,
                              sm_scale: float | None = None, precise_fp32: bool = False):
     """The packed layout's forward kernel without autograd: (out [B, S, D], lse [B*H, S] float32).
@@ -786,11 +798,7 @@ def packed_attention_forward(qkv: torch.Tensor, num_heads: int, causal: bool = T
     QKV GEMM rotates q and k in its epilogue, so qkv arrives with q and k already rotated, and its Function
     calls this, then packed_attention_backward with the RoPE tables. Arguments as for flash_attention_packed.
     """
-    _check_packed_input(qkv, num_heads, None)
-    qkv = qkv.contiguous()
-    head_dim = qkv.shape[-1] // (3 * num_heads)
-    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    problem = _packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32)
+    qkv, problem = _checked_packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32, rope=None)
     batch, seq_len, width = qkv.shape
     out = _new_buffer((batch, seq_len, width // 3), qkv.dtype, qkv.device)
     lse = _run_forward(problem, qkv, qkv, qkv, out, None, None)
@@ -806,11 +814,7 @@ def packed_attention_backward(qkv: torch.Tensor, out: torch.Tensor, lse: torch.T
     are stored, so grad_qkv is the gradient with respect to the unrotated q and k (what the GEMM that produced
     them needs). Without rope it is the gradient with respect to qkv itself.
     """
-    _check_packed_input(qkv, num_heads, rope)
-    qkv = qkv.contiguous()
-    head_dim = qkv.shape[-1] // (3 * num_heads)
-    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    problem = _packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32)
+    qkv, problem = _checked_packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32, rope)
     cos, sin = rope if rope is not None else (None, None)
     cos, sin = _rope_tables(cos, sin, qkv.shape[1], qkv.device)
     return _packed_backward(problem, qkv, out, lse, cos, sin, grad_out)

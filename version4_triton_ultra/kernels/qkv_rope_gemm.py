@@ -2,20 +2,21 @@
 
 Attention needs q and k rotated by RoPE. Rotating them as the attention kernel loads them (version 4's first
 way, `flash_attention_packed(..., rope=...)`) costs more than it looks: the forward kernel loads every key
-block once per query block that visits it, so each k row is rotated S / BLOCK_M times over, and the kernel
+block once per query block that visits it, so a k row is rotated up to S / BLOCK_M times over, and the kernel
 has to write the rotated q and k (and a copy of v) for the backward pass. The GEMM that produces q and k is a
 better place: there every element of q and k is rotated exactly once, while the tile is still in registers
 (the epilogue), and the one [N, 3D] output is at once what attention reads and what its backward reads.
 
-    qkv_rope(x, W_qkv, cos, sin, seq_len)    qkv = x @ W_qkv^T, [N, 3D], columns [q heads | k heads | v heads];
+    qkv_rope(x, W_qkv, cos, sin, S, Dh)      qkv = x @ W_qkv^T, [N, 3D], columns [q heads | k heads | v heads];
                                              then, in the same program, every q and k head rotated:
                                              rot(t) = t * cos + rotate_half(t) * sin (the rotate-half
                                              convention of ../../version3_triton/kernels/rope.py).
 
 Row r of x is position r % seq_len of its sequence (x is [B * S, D] flattened). A program's BLOCK_N columns
 are whole heads (BLOCK_N is a multiple of the head dim, both powers of two), so rotate_half, which pairs
-column j of a head with column j + Dh/2, never needs a column of another program. The rotation runs in float32 on the product rounded
-to the output dtype first, exactly what rotating a GEMM's stored output would compute.
+column j of a head with column j + Dh/2, never needs a column of another program. The rotation runs in
+float32 on the product rounded to the output dtype first, exactly what rotating a GEMM's stored output would
+compute.
 
 The backward pass needs no kernel here: the attention backward returns dq and dk rotated back (the transpose
 of the rotation), which are the gradients of the GEMM's unrotated output, and the GEMM's backward is two
@@ -89,7 +90,7 @@ def _new_output(shape, dtype, device):
 def _launch_config(dtype: torch.dtype, n_rows: int, head_dim: int) -> dict:
     """Tiles, warps and pipeline stages; BLOCK_N holds whole heads. From a sweep of 12 configs on an H100 (hidden
     256, head dim 32; N = 1024 and 16384 rows), the kernel alone replayed from a graph: the fastest, or within
-    5% of it. Beside cuBLAS's plain QKV GEMM: 23.4 vs 17.2 us at N = 16384 in bfloat16, 4.3 vs 3.2 us at
+    5% of it. Beside cuBLAS's plain QKV GEMM: 23.4 vs 17.2 us at N = 16384 in bfloat16, 4.2 vs 3.2 us at
     N = 1024; in float32 (TF32) 5.6 vs 7.0 us. On another GPU the best choice may differ."""
     if interpreter_active():
         # NumPy executes every block operation: small tiles keep CPU tests quick (16 is tl.dot's minimum).

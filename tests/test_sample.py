@@ -45,8 +45,11 @@ def test_sampling_is_deterministic_for_a_fixed_seed(text_checkpoint, capsysbinar
     args = ["--checkpoint", text_checkpoint, "--prompt", "the ", "--max-new-tokens", "40", "--device", "cpu"]
     first = sample_bytes(capsysbinary, *args, "--seed", "7")
     again = sample_bytes(capsysbinary, *args, "--seed", "7")
-    other = sample_bytes(capsysbinary, *args, "--seed", "8")
-    assert first == again and first != other
+    assert first == again
+    # Two seeds must draw different bytes somewhere. The trained model is so sure of this tiny text that at
+    # temperature 1 two seeds can write the same 40 bytes; at temperature 2 its distribution is flat enough.
+    hot = [*args, "--temperature", "2.0"]
+    assert sample_bytes(capsysbinary, *hot, "--seed", "7") != sample_bytes(capsysbinary, *hot, "--seed", "8")
     assert first.startswith(b"the ") and len(first) == len(b"the ") + 40 + 1   # prompt, 40 bytes, newline
     assert sample_bytes(capsysbinary, *args, "--top-k", "3", "--temperature", "0.5", "--seed", "1") == \
         sample_bytes(capsysbinary, *args, "--top-k", "3", "--temperature", "0.5", "--seed", "1")

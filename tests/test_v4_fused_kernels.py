@@ -577,7 +577,7 @@ def test_qkv_rope_matches_reference(batch, seq_len, heads, head_dim, device):
 def test_qkv_rope_tiles_of_several_heads(heads, block_n, monkeypatch, device):
     """On a GPU a column tile holds several heads (BLOCK_N 64 or 128, head dim 32): the same here with heads of
     16, so the per-head rotation inside one tile is checked on the CPU too; with 3 heads and 4 per tile, one
-    tile holds the last k head and the first v heads, and only the k head may be rotated."""
+    tile holds k heads and v heads, and only the k heads may be rotated."""
     monkeypatch.setattr(qr, "_launch_config", lambda *args: dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=16,
                                                                     num_warps=1, num_stages=1))
     check_qkv_rope(2, 9, heads, 16, torch.float32, device, seed=221)
@@ -605,8 +605,39 @@ def test_qkv_rope_full_size_gpu(batch, seq_len, dtype, device):
 
 
 @pytest.mark.gpu
-def test_qkv_rope_head_dim_128_gpu(device):
-    check_qkv_rope(4, 128, 2, 128, torch.bfloat16, device, seed=241)
+@pytest.mark.parametrize("batch, seq_len, heads, head_dim, dtype", [
+    (4, 128, 2, 128, torch.bfloat16), (8, 512, 3, 32, torch.bfloat16), (32, 512, 3, 32, torch.bfloat16),
+    (8, 128, 3, 64, torch.float32)], ids=["head dim 128", "3 heads, 64-column tiles", "3 heads, 128-column tiles",
+                                          "3 heads of 64, float32"])
+def test_qkv_rope_head_layouts_gpu(batch, seq_len, heads, head_dim, dtype, device):
+    """Compiled tiles across the q/k and k/v boundaries (3 heads: 2D is no multiple of the column tile)."""
+    check_qkv_rope(batch, seq_len, heads, head_dim, dtype, device, seed=241)
+
+
+def test_qkv_rope_tiles_fit_the_shared_memory(monkeypatch):
+    """The H100's choices stay as they are with its 227 KiB; a 99 KiB card and AMD's 64 KiB get shallower tiles."""
+    monkeypatch.setattr(qr, "interpreter_active", lambda: False)   # the GPU's choices, even on the CPU
+    monkeypatch.setattr(qr, "is_rocm", lambda: False)
+    h100, ampere_or_ada, mi300 = 232448, 101376, 65536
+    for dtype, n_rows in [(torch.float32, 1024), (torch.bfloat16, 1024), (torch.bfloat16, 16384)]:
+        config = qr._launch_config(dtype, n_rows, 32)
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        assert qr._fit_shared_memory(config, itemsize, h100) == config
+        for budget in (ampere_or_ada, mi300):
+            fitted = qr._fit_shared_memory(config, itemsize, budget)
+            used = fitted["num_stages"] * (fitted["BLOCK_M"] + fitted["BLOCK_N"]) * fitted["BLOCK_K"] * itemsize
+            assert used <= budget * 3 // 4 and fitted["BLOCK_K"] >= 16
+    assert qr._fit_shared_memory(qr._launch_config(torch.float32, 1024, 32), 4, ampere_or_ada)["BLOCK_K"] == 32
+
+
+def test_qkv_rope_refuses_a_column_tile_smaller_than_a_head(monkeypatch, device):
+    monkeypatch.setattr(qr, "_launch_config", lambda *args: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16,
+                                                                    num_warps=1, num_stages=1))
+    monkeypatch.setattr(qr, "_fit_shared_memory", lambda config, *args: config)
+    from version3_triton.kernels.rope import rope_tables
+    cos, sin = rope_tables(4, 32, device=device)
+    with pytest.raises(ValueError, match="whole heads"):
+        qr.qkv_rope(torch.ones(8, 32, device=device), torch.ones(96, 32, device=device), cos, sin, 4, 32)
 
 
 def check_rotary_qkv_attention(batch, seq_len, heads, head_dim, dtype, device, seed):

@@ -64,3 +64,12 @@ def multiprocessor_count(device: torch.device) -> int:
     their grid by it are launched many times per training step."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _multiprocessor_count_of(index)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_per_program(device_index: int) -> int:
+    """Bytes of shared memory (NVIDIA) or LDS (AMD) one Triton program may use on this GPU, as Triton's own
+    driver reports it: about 227 KiB on an H100, 99 KiB on many Ampere and Ada cards, 64 KiB on an MI300.
+    A kernel whose pipelined tiles need more fails to compile."""
+    import triton   # here, not at the top: enable_interpreter_if_no_gpu must run before the first import
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]

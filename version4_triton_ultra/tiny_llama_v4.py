@@ -280,7 +280,7 @@ class Attention(nn.Module):
         with profile_range("attention"):
             # qkv is [B, S, 3D]: per token the q heads, then the k heads, then the v heads. The kernels read each
             # head in place (row stride 3D) instead of transposing q, k, v into [B, H, S, Dh] first.
-            if self.rope_in_qkv_gemm:
+            if self.rope_in_qkv_gemm:   # qkv_proj's weight (and 16-bit copy, stream) in a GEMM of our own
                 out = RotaryQKVAttention.apply(x, self.qkv_proj.weight, self.qkv_proj.gemm_weight(x.device.type),
                                                cos, sin, self.num_heads, self.exact_float32,
                                                self.qkv_proj.weight_grad_stream)

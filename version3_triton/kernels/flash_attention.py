@@ -39,11 +39,15 @@ x * cos - rotate_half(x) * sin, is applied to dq and dk once before they are sto
 rotates q and k in its QKV GEMM's epilogue instead, and calls the kernels through packed_attention_forward /
 packed_attention_backward: the forward without RoPE, the backward with its rotation of dq and dk.)
 
-Two entry points share the same kernels (they differ only in the strides they pass, see "Addressing"):
+The entry points share the same kernels (they differ only in the strides they pass, see "Addressing"):
     flash_attention(q, k, v)             q, k, v, out: [B, H, S, Dh]                      (the textbook layout)
     flash_attention_packed(qkv, H)       qkv: [B, S, 3*D] straight from a fused QKV projection, columns
                                          [q heads | k heads | v heads]; out: [B, S, D], D = H * Dh, the
-                                         layout the output projection reads      (versions 3 and 4 use this)
+                                         layout the output projection reads (version 3; version 4 with
+                                         --rope-in-attention)
+    packed_attention_forward / _backward the packed layout's kernels without autograd, for a caller with its
+                                         own autograd Function (version 4's default, whose QKV GEMM rotates
+                                         q and k)
 The packed one saves the transposes a model would otherwise copy around attention: [B, S, 3, H, Dh] ->
 [3, B, H, S, Dh] before it, [B, H, S, Dh] -> [B, S, H * Dh] after it, and both again in the backward pass.
 lse and delta: [B*H, S] float32 in both.
@@ -796,7 +800,8 @@ def packed_attention_forward(qkv: torch.Tensor, num_heads: int, causal: bool = T
 
     For a caller that wraps its own autograd Function around attention and something before it: version 4's
     QKV GEMM rotates q and k in its epilogue, so qkv arrives with q and k already rotated, and its Function
-    calls this, then packed_attention_backward with the RoPE tables. Arguments as for flash_attention_packed.
+    calls this, then packed_attention_backward with the RoPE tables. Arguments as for flash_attention_packed
+    (no rope: the forward kernel runs without RoPE).
     """
     qkv, problem = _checked_packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32, rope=None)
     batch, seq_len, width = qkv.shape

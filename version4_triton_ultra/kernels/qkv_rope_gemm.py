@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinytransformer.triton_support import interpreter_active, is_rocm
+from tinytransformer.triton_support import interpreter_active, is_rocm, shared_memory_per_program
 from version3_triton.kernels.flash_attention import _rotate_half
 from version4_triton_ultra.kernels.swiglu_gemm import MAX_ROW_BLOCKS, SUPPORTED_DTYPES, dot_precision
 
@@ -95,14 +95,26 @@ def _launch_config(dtype: torch.dtype, n_rows: int, head_dim: int) -> dict:
     if interpreter_active():
         # NumPy executes every block operation: small tiles keep CPU tests quick (16 is tl.dot's minimum).
         return dict(BLOCK_M=16, BLOCK_N=max(16, head_dim), BLOCK_K=16, num_warps=1, num_stages=1)
-    # AMD GPUs have 64 KiB of shared memory per compute unit (an H100 228 KiB): fewer stages, and float32
-    # tiles half as deep there.
+    # AMD GPUs have 64 KiB of shared memory per compute unit (an H100 228 KiB): fewer stages there, and
+    # _fit_shared_memory makes the tiles shallower where they would not fit.
     stages = 2 if is_rocm() else 3
     # Wider column tiles when there are enough rows to fill the GPU (and in float32, at any size).
     block_n = max(128, head_dim) if n_rows >= 8192 or dtype == torch.float32 else max(64, head_dim)
     if dtype == torch.float32:
-        return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=32 if is_rocm() else 64, num_warps=4, num_stages=stages)
+        return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=64, num_warps=4, num_stages=stages)
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=64, num_warps=8, num_stages=stages)
+
+
+def _fit_shared_memory(config: dict, itemsize: int, budget: int) -> dict:
+    """The config with BLOCK_K halved until its pipelined x and weight tiles, num_stages x (BLOCK_M + BLOCK_N) x
+    BLOCK_K elements, take at most 3/4 of `budget` bytes of shared memory (the rest is left for Triton's own
+    buffers, such as the epilogue's reshapes). The tiles above were chosen on an H100, where they fit as they
+    are; on a GPU with less shared memory a config that does not fit would fail to compile."""
+    config = dict(config)
+    while (config["num_stages"] * (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * itemsize
+           > budget * 3 // 4 and config["BLOCK_K"] > 16):
+        config["BLOCK_K"] //= 2
+    return config
 
 
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_len: int,
@@ -118,11 +130,11 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
                          f"{list(x.shape)} and {weight.dtype} {list(weight.shape)}")
     n_rows, n_in = x.shape
     width = weight.shape[0]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} not supported; use one of {SUPPORTED_HEAD_DIMS}")
     if weight.shape[1] != n_in or width % 3 or (width // 3) % head_dim:
         raise ValueError(f"weight must be [3D, {n_in}] with D a multiple of head_dim {head_dim}; "
                          f"got {list(weight.shape)}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim {head_dim} not supported; use one of {SUPPORTED_HEAD_DIMS}")
     if seq_len < 1 or n_rows % seq_len:
         raise ValueError(f"x has {n_rows} rows: not whole sequences of {seq_len}")
     for name, table in (("cos", cos), ("sin", sin)):
@@ -130,6 +142,11 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
             raise ValueError(f"rope {name} table must be [>= {seq_len}, {head_dim}]; got {list(table.shape)}")
     dim = width // 3
     config = _launch_config(x.dtype, n_rows, head_dim)
+    if not interpreter_active():
+        device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        config = _fit_shared_memory(config, x.element_size(), shared_memory_per_program(device_index))
+    if config["BLOCK_N"] % head_dim:
+        raise ValueError(f"the column tile ({config['BLOCK_N']}) must hold whole heads of {head_dim}")
     x, weight = x.contiguous(), weight.contiguous()
     cos, sin = (table[:seq_len].to(device=x.device, dtype=torch.float32).contiguous() for table in (cos, sin))
     qkv = _new_output((n_rows, width), x.dtype, x.device)

@@ -184,13 +184,83 @@ def test_add_rms_norm_weight_grad_is_deterministic(device):
     assert torch.equal(grads[0], grads[1])
 
 
-@pytest.mark.parametrize("last_program_sums", [True, False], ids=["last-program sum", "torch.sum"])
-def test_add_rms_norm_weight_grad_by_either_reduction(last_program_sums, monkeypatch, device):
-    """The partial weight gradients are summed by the last program (few programs) or by torch.sum (many)."""
-    monkeypatch.setattr(arn, "LAST_PROGRAM_SUMS_UP_TO", 10**6 if last_program_sums else 0)
-    check_add_rms_norm((37, 96), torch.float32, device, seed=51)
-    counter = arn._ticket_counter(device)
-    assert counter.item() == 0   # left ready for the next launch
+@pytest.mark.parametrize("group_size, one_group_up_to", [(10**6, 10**6), (2, 0), (3, 0)],
+                         ids=["one group", "two levels, even groups", "two levels, short last group"])
+def test_add_rms_norm_weight_grad_summed_by_the_programs(group_size, one_group_up_to, monkeypatch, device):
+    """The partial weight gradients are added by the last program (one group), or per group of programs and then
+    across the groups (two levels); either way right, the same on every run, and the counters left at zero."""
+    monkeypatch.setattr(arn, "GROUP_SIZE", group_size)
+    monkeypatch.setattr(arn, "ONE_GROUP_UP_TO", one_group_up_to)
+    # 4 programs in the interpreter (and 37 rows make the last one short); on a GPU, 40000 rows make a few
+    # hundred programs, so small groups give many of them.
+    rows = 40000 if device.type == "cuda" else 37
+    check_add_rms_norm((rows, 96), torch.float32, device, seed=51)
+    assert not arn._ticket_counters(device).any()   # left ready for the next launch
+    shape = (rows, 96)
+    residual, delta = random(shape, torch.float32, device, 52), random(shape, torch.float32, device, 53)
+    grad_normed = random(shape, torch.float32, device, 54)
+    grads = []
+    for _ in range(3):
+        weight = leaf(random((96,), torch.float32, device, 55))
+        arn.add_rms_norm(residual, delta, weight, EPS)[1].backward(grad_normed)
+        grads.append(weight.grad)
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
+
+
+# embedding_rms_norm: the lookup and the first norm in one kernel each way
+def check_embedding_rms_norm(ids_shape, vocab, d, device, seed, normed_dtype=None, used=("h", "normed")):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, ids_shape, generator=g).to(device)   # repeats: rows share table rows
+    table = leaf(random((vocab, d), torch.float32, device, seed + 1))
+    weight = leaf(random((d,), torch.float32, device, seed + 2, scale=0.1) + 1.0)
+    grads = {"h": random((*ids_shape, d), torch.float32, device, seed + 3),
+             "normed": random((*ids_shape, d), normed_dtype or torch.float32, device, seed + 4)}
+
+    h, normed = arn.embedding_rms_norm(ids, table, weight, EPS, normed_dtype=normed_dtype)
+    assert h.shape == normed.shape == (*ids_shape, d)
+    assert h.dtype == torch.float32 and normed.dtype == (normed_dtype or torch.float32)
+    outputs = {"h": h, "normed": normed}
+    torch.autograd.backward([outputs[k] for k in used], [grads[k] for k in used])
+
+    table64, weight64 = as_float64_leaf(table), as_float64_leaf(weight)
+    h64, normed64 = reference_add_rms_norm(table64[ids], None, weight64)
+    outputs64 = {"h": h64, "normed": normed64}
+    torch.autograd.backward([outputs64[k] for k in used], [grads[k].double() for k in used])
+
+    assert torch.equal(h, table.detach()[ids])   # the lookup itself is exact
+    assert_matches(normed, normed64, normed_dtype or torch.float32, "normed")
+    assert_matches(table.grad, table64.grad, torch.float32, "grad table")
+    if "normed" in used:
+        assert_matches(weight.grad, weight64.grad, torch.float32, "grad weight")
+    else:
+        assert weight.grad is None
+
+
+@pytest.mark.parametrize("ids_shape, vocab, d", [((3, 7), 11, 48), ((2, 33), 5, 200), ((1, 1), 3, 16)])
+def test_embedding_rms_norm_matches_float64(ids_shape, vocab, d, device, poisoned_outputs):
+    check_embedding_rms_norm(ids_shape, vocab, d, device, seed=vocab + d)
+
+
+@pytest.mark.parametrize("used", [("h",), ("normed",)], ids=["rows only", "normed only"])
+def test_embedding_rms_norm_with_one_output_used(used, device):
+    check_embedding_rms_norm((4, 9), 13, 64, device, seed=61, used=used)
+
+
+def test_embedding_rms_norm_of_a_16bit_table_takes_the_separate_ops(device):
+    ids = torch.tensor([[1, 0, 1]], device=device)
+    table = leaf(random((2, 32), torch.float16, device, 71))
+    weight = leaf(torch.ones(32, device=device))
+    h, normed = arn.embedding_rms_norm(ids, table, weight, EPS)
+    (h.float().sum() + normed.float().sum()).backward()
+    assert h.dtype == normed.dtype == torch.float16 and table.grad.dtype == torch.float16
+    h_ref, normed_ref = reference_add_rms_norm(table.detach().double()[ids], None, weight.detach().double())
+    assert_matches(normed, normed_ref, torch.float16, "normed")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("normed_dtype", [None, torch.bfloat16])
+def test_embedding_rms_norm_full_size_gpu(normed_dtype, device):
+    check_embedding_rms_norm((32, 512), 1000, 256, device, seed=81, normed_dtype=normed_dtype)
 
 
 def test_add_rms_norm_rejects_too_wide_rows(device):
@@ -307,12 +377,20 @@ def test_linear_cross_entropy_scales_by_grad_output(device):
     assert_matches(weight.grad, 3.5 * ref_grad_weight, torch.float32, "grad weight")
 
 
-def test_linear_cross_entropy_only_weight_needs_grad(device):
+@pytest.mark.parametrize("needs_grad", ["weight", "hidden"])
+def test_linear_cross_entropy_only_one_input_needs_grad(needs_grad, device):
+    """The backward's one scaling kernel then scales the one gradient there is."""
     hidden, weight, targets = make_head_inputs(15, 32, 200, torch.float32, device, seed=101)
-    hidden = hidden.detach()
-    lce.linear_cross_entropy(hidden, weight, targets, chunk_size=6).backward()
-    _, _, ref_grad_weight = reference_head(hidden, weight, targets)
-    assert_matches(weight.grad, ref_grad_weight, torch.float32, "grad weight")
+    if needs_grad == "weight":
+        hidden = hidden.detach()
+    else:
+        weight = weight.detach()
+    (2.5 * lce.linear_cross_entropy(hidden, weight, targets, chunk_size=6)).backward()
+    _, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
+    if needs_grad == "weight":
+        assert_matches(weight.grad, 2.5 * ref_grad_weight, torch.float32, "grad weight")
+    else:
+        assert_matches(hidden.grad, 2.5 * ref_grad_hidden, torch.float32, "grad hidden")
 
 
 @pytest.mark.parametrize("how", ["no_grad", "no input requires grad"])

@@ -46,7 +46,7 @@ KERNEL_FAMILIES = (
     ("QKV GEMM + RoPE (Triton)", r"qkv_rope"),
     ("GEMMs (vendor BLAS)", r"gemm|nvjet|cutlass|Cijk_|splitKreduce|cublas"),
     ("norms", r"rms_norm|native::reduce_kernel"),   # PyTorch's reduce_kernel: the norm weight-gradient sums
-    ("loss", r"cross_entropy|mean_loss|_scale_kernel"),
+    ("loss", r"cross_entropy|mean_loss|_scale_pair_kernel"),
     ("optimizer and weight copies", r"multi_tensor_apply"),
     ("embedding", r"embedding|gather|indexFunc"),
 )

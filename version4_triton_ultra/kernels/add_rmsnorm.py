@@ -23,24 +23,34 @@ Backward. With x_hat = h * rstd and g = grad_normed * weight, the gradient of RM
 and the residual path adds `grad_new_residual` on top. Since h = residual + delta, that same grad_h is the
 gradient of both `residual` and `delta`. The weight gradient sum_rows(grad_normed * x_hat) is a reduction over
 all rows: each backward program owns a block of rows, accumulates its own partial sum in float32 and writes
-it to its own column of a [D, programs] buffer. With few programs (short batches, where every launch counts),
-the program that finishes LAST adds the partial sums, in program order, and writes the weight gradient: it
-learns that it is last from an atomic ticket counter that every program increments once after storing its
-partial sum. With many programs one program would take too long alone (measured on an H100: ~12 us for 528
-partial sums of 256 features), so torch.sum adds them in a second kernel. Either way the sum never depends
-on which program finished when: the result is the same bit for bit on every run.
+it to its own column of a [D, programs] buffer. The programs then add the partial sums up themselves, so that
+no separate reduction kernel is launched. With few programs (short batches), the program that finishes LAST
+adds them all. With many, in two levels: the programs form groups of GROUP_SIZE, the last program of each group
+to finish adds its group's partial sums into one column of a [D, groups] buffer, and the last of those
+group-summing programs adds the groups' sums into the weight gradient. Each program learns whether it is last
+from an atomic ticket counter (one per group, one for the groups) that it increments once after storing its
+sum. One level alone would leave one program adding hundreds of partial sums while the GPU idles (measured on
+an H100: ~12 us for 528 partial sums of 256 features). Either way the additions happen in a fixed order
+(program order, then group order), whichever program finishes when: the result is the same bit for bit on
+every run.
 """
 import torch
 import triton
 import triton.language as tl
 
 from tinytransformer.triton_support import interpreter_active, is_rocm, multiprocessor_count, num_warps_for
+from version4_triton_ultra.kernels.embedding_backward import embedding_backward, embedding_lookup
 
 # One program holds a whole row in registers; beyond this many features it would spill.
 MAX_FEATURES = 8192
-# Up to this many backward programs, the last one to finish sums their partial weight gradients itself (at most
-# two passes of 64); beyond, torch.sum does it in parallel.
-LAST_PROGRAM_SUMS_UP_TO = 128
+# Backward programs per group whose partial weight gradients the group's last program adds up (see the module
+# docstring). ~sqrt(programs) at 4 programs per SM balances the two levels: on an H100 (528 programs), 17 groups.
+GROUP_SIZE = 32
+# Up to this many programs (short batches), one group: its last program adds all the partial sums itself.
+ONE_GROUP_UP_TO = 64
+# Ticket counters allocated per device: one per group and one for the groups. Programs are a few per SM, so
+# groups are far fewer than this on any GPU.
+MAX_TICKETS = 1024
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -48,33 +58,44 @@ LAST_PROGRAM_SUMS_UP_TO = 128
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _add_rms_norm_forward_kernel(
-    residual_ptr, delta_ptr, weight_ptr,      # inputs: [N, D], [N, D] (unused without delta), [D]
+    residual_ptr, delta_ptr, weight_ptr,      # inputs: [N, D] (GATHER: [V, D]), [N, D] (unused without delta), [D]
+    ids_ptr,                                  # input with GATHER: [N] int64, the table row of each row
     new_residual_ptr, normed_ptr, rstd_ptr,   # outputs: [N, D], [N, D], [N] float32 (kept for backward)
-    n_features, eps,
-    HAS_DELTA: tl.constexpr,                  # False: plain RMSNorm, nothing added and no new_residual written
+    n_rows, n_features, eps,
+    HAS_DELTA: tl.constexpr,                  # False: plain RMSNorm, nothing added
+    GATHER: tl.constexpr,                     # residual row r is row ids[r] of a table (an embedding lookup)
     BLOCK_D: tl.constexpr,                    # power of two >= n_features: the whole row in one block
+    BLOCK_ROWS: tl.constexpr,                 # rows per program: a [BLOCK_ROWS, BLOCK_D] tile
 ):
-    # int64 row offset: N * D can exceed 2^31 elements for long sequences and wide models.
-    row_start = tl.program_id(0).to(tl.int64) * n_features
+    # int64 rows: row * D can exceed 2^31 elements for long sequences and wide models.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < n_features  # D need not be a power of two
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_features)[None, :]  # D need not be a power of two
+    offsets = rows[:, None] * n_features + cols[None, :]
 
-    h = tl.load(residual_ptr + row_start + cols, mask=mask, other=0.0).to(tl.float32)
+    if GATHER:
+        ids = tl.load(ids_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        h = tl.load(residual_ptr + ids[:, None] * n_features + cols[None, :], mask=mask, other=0.0)
+        tl.store(new_residual_ptr + offsets, h, mask=mask)   # the looked-up rows: the residual stream
+        h = h.to(tl.float32)
+    else:
+        h = tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        h += tl.load(delta_ptr + row_start + cols, mask=mask, other=0.0).to(tl.float32)
+        h += tl.load(delta_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         # Round h to the stream's dtype before normalising, so the norm sees exactly the new_residual that
         # the next layer will see (as in the reference, where h is a tensor of the input dtype).
         h = h.to(new_residual_ptr.dtype.element_ty)
-        tl.store(new_residual_ptr + row_start + cols, h, mask=mask)
+        tl.store(new_residual_ptr + offsets, h, mask=mask)
         h = h.to(tl.float32)
 
     # Masked columns hold 0, so they add nothing to the sum of squares; divide by the true D.
-    mean_square = tl.sum(h * h, axis=0) / n_features
+    mean_square = tl.sum(h * h, axis=1) / n_features
     rstd = tl.rsqrt(mean_square + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = h * rstd * weight
-    tl.store(normed_ptr + row_start + cols, normed.to(normed_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + tl.program_id(0), rstd)
+    weight = tl.load(weight_ptr + cols, mask=cols < n_features, other=0.0).to(tl.float32)
+    normed = h * rstd[:, None] * weight[None, :]
+    tl.store(normed_ptr + offsets, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 @triton.jit
@@ -82,15 +103,20 @@ def _add_rms_norm_backward_kernel(
     h_ptr, weight_ptr, rstd_ptr,              # saved by forward: [N, D], [D], [N]
     grad_normed_ptr, grad_new_residual_ptr,   # incoming gradients: [N, D], [N, D] (unused without it)
     grad_h_ptr,                               # output: [N, D], the gradient of residual and of delta
+                                              #   (SCATTER: [V, D] float32, zero on entry; row r adds into ids[r])
+    ids_ptr,                                  # with SCATTER: [N] int64, the table row of each row (h_ptr: table)
     grad_h_copy_ptr,                          # output: [N, D], the same gradient in delta's dtype (WRITE_COPY)
     partial_grad_weight_ptr,                  # scratch: [D, programs] float32, one partial sum per program
-    grad_weight_ptr,                          # output: [D] float32, written by the last program (LAST_SUMS)
-    ticket_ptr,                               # int32 counter, 0 on entry; the last program sets it back to 0
-    n_rows, n_features, rows_per_program, n_programs,
+    group_sum_ptr,                            # scratch: [D, groups] float32, one sum per group (TWO_LEVELS)
+    grad_weight_ptr,                          # output: [D] float32, written by the last group-summing program
+    ticket_ptr,                               # int32 counters, one per group then one for the groups; 0 on entry
+    n_rows, n_features, rows_per_program, n_programs, n_groups,
     HAS_RESIDUAL_GRAD: tl.constexpr,          # False when nothing downstream used new_residual
     WRITE_COPY: tl.constexpr,                 # True when delta's dtype differs from h's (e.g. bf16 vs float32)
-    LAST_SUMS: tl.constexpr,                  # True: the last program sums the partials (else torch.sum does)
-    BLOCK_P: tl.constexpr,                    # partial sums read at a time by the last program
+    SCATTER: tl.constexpr,                    # h is rows ids[r] of a table, and grad_h is added into its gradient
+    GROUP_SIZE: tl.constexpr,                 # programs per group (the last group may have fewer)
+    TWO_LEVELS: tl.constexpr,                 # False with a single group: its sum is the weight gradient
+    BLOCK_P: tl.constexpr,                    # partial sums read at a time by a summing program
     L2_LOAD: tl.constexpr,                    # ".cg" on NVIDIA (bypass L1); "" on AMD, whose acquire invalidates
     BLOCK_D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,                 # rows handled together: a [BLOCK_ROWS, BLOCK_D] tile per iteration
@@ -112,7 +138,12 @@ def _add_rms_norm_backward_kernel(
         row_mask = rows < last_row
         mask = row_mask[:, None] & col_mask[None, :]
         offsets = rows[:, None] * n_features + cols[None, :]
-        h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        if SCATTER:
+            ids = tl.load(ids_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+            h_offsets = ids[:, None] * n_features + cols[None, :]
+        else:
+            h_offsets = offsets
+        h = tl.load(h_ptr + h_offsets, mask=mask, other=0.0).to(tl.float32)
         grad_normed = tl.load(grad_normed_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
 
@@ -122,40 +153,68 @@ def _add_rms_norm_backward_kernel(
         grad_h = rstd[:, None] * (g - x_hat * (tl.sum(g * x_hat, axis=1) / n_features)[:, None])
         if HAS_RESIDUAL_GRAD:
             grad_h += tl.load(grad_new_residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        tl.store(grad_h_ptr + offsets, grad_h.to(grad_h_ptr.dtype.element_ty), mask=mask)
+        if SCATTER:
+            # The embedding's backward, here instead of in a kernel of its own that would read grad_h back.
+            # "relaxed": the additions need to be atomic, not ordered with respect to other memory accesses.
+            tl.atomic_add(grad_h_ptr + h_offsets, grad_h, mask=mask, sem="relaxed")
+        else:
+            tl.store(grad_h_ptr + offsets, grad_h.to(grad_h_ptr.dtype.element_ty), mask=mask)
         if WRITE_COPY:  # saves a separate cast kernel (one per norm and step) for a 16-bit sub-layer output
             tl.store(grad_h_copy_ptr + offsets, grad_h.to(grad_h_copy_ptr.dtype.element_ty), mask=mask)
         grad_weight_acc += grad_normed * x_hat   # masked rows loaded zeros: they add nothing
 
-    # Stored transposed, [D, programs]: the final sum then reads contiguous memory per feature.
+    # Stored transposed, [D, programs]: a summing program then reads contiguous memory per feature.
     tl.store(partial_grad_weight_ptr + cols * n_programs + program, tl.sum(grad_weight_acc, axis=0), mask=col_mask)
-    # The atomic add (acquire-release, device scope) publishes this program's partial sum before its ticket
-    # is counted, and lets the program holding the last ticket see every other program's partial sum. One
-    # thread performs it: the barrier first makes every thread's store of the partial sum part of what it
-    # publishes.
-    if LAST_SUMS:
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr, 1)
-        if ticket == n_programs - 1:
-            _sum_partial_grad_weights(partial_grad_weight_ptr, grad_weight_ptr, n_features, n_programs, BLOCK_D,
-                                      BLOCK_P, L2_LOAD)
-            tl.store(ticket_ptr, 0)   # ready for the next launch (launches on one stream never overlap)
+
+    # Level 1: the last program of this group to finish adds the group's partial sums.
+    group = program // GROUP_SIZE
+    first_in_group = group * GROUP_SIZE
+    group_programs = tl.minimum(n_programs - first_in_group, GROUP_SIZE)
+    if _is_last_to_arrive(ticket_ptr + group, group_programs):
+        if TWO_LEVELS:
+            _sum_columns(partial_grad_weight_ptr, n_programs, first_in_group, group_programs,
+                         group_sum_ptr + group, n_groups, n_features, BLOCK_D, BLOCK_P, L2_LOAD)
+            # Level 2: the last group-summing program to finish adds the groups' sums.
+            if _is_last_to_arrive(ticket_ptr + n_groups, n_groups):
+                _sum_columns(group_sum_ptr, n_groups, 0, n_groups, grad_weight_ptr, 1, n_features, BLOCK_D,
+                             BLOCK_P, L2_LOAD)
+        else:
+            _sum_columns(partial_grad_weight_ptr, n_programs, 0, n_programs, grad_weight_ptr, 1, n_features,
+                         BLOCK_D, BLOCK_P, L2_LOAD)
 
 
 @triton.jit
-def _sum_partial_grad_weights(partial_ptr, grad_weight_ptr, n_features, n_programs, BLOCK_D: tl.constexpr,
-                              BLOCK_P: tl.constexpr, L2_LOAD: tl.constexpr):
-    """grad_weight[d] = sum_p partial[d, p], in program order: one pass over the [D, programs] buffer."""
+def _is_last_to_arrive(ticket_ptr, n_arrivals):
+    """True for the program that takes the last of n_arrivals tickets; that program resets the counter to 0,
+    ready for the next launch (launches on one stream never overlap).
+
+    The atomic add (acquire-release, device scope) publishes everything this program stored before its ticket
+    is counted, and lets the program holding the last ticket see what every other program stored. One thread
+    performs it: the barrier first makes every thread's stores part of what it publishes.
+    """
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr, 1)
+    is_last = ticket == n_arrivals - 1
+    if is_last:
+        tl.store(ticket_ptr, 0)
+    return is_last
+
+
+@triton.jit
+def _sum_columns(src_ptr, src_columns, first, count, out_ptr, out_stride, n_features, BLOCK_D: tl.constexpr,
+                 BLOCK_P: tl.constexpr, L2_LOAD: tl.constexpr):
+    """out[d * out_stride] = sum of src[d, first : first + count] (src: [D, src_columns] float32), adding the
+    columns in order: one pass over them, BLOCK_P columns at a time."""
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < n_features
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for start in range(0, n_programs, BLOCK_P):
-        programs = start + tl.arange(0, BLOCK_P)
-        mask = col_mask[:, None] & (programs < n_programs)[None, :]
-        block = tl.load(partial_ptr + cols[:, None] * n_programs + programs[None, :], mask=mask, other=0.0,
+    for start in range(first, first + count, BLOCK_P):
+        columns = start + tl.arange(0, BLOCK_P)
+        mask = col_mask[:, None] & (columns < first + count)[None, :]
+        block = tl.load(src_ptr + cols[:, None] * src_columns + columns[None, :], mask=mask, other=0.0,
                         cache_modifier=L2_LOAD)   # NVIDIA: from L2, where the other programs' stores are
         total += tl.sum(block, axis=1)
-    tl.store(grad_weight_ptr + cols, total, mask=col_mask)
+    tl.store(out_ptr + cols * out_stride, total, mask=col_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -175,6 +234,24 @@ def _block_size(n_features):
         raise ValueError(f"add_rms_norm holds a whole row in one block; D={n_features} exceeds "
                          f"MAX_FEATURES={MAX_FEATURES}")
     return triton.next_power_of_2(n_features)
+
+
+# Elements of a forward program's [rows, D] tile (at least one whole row).
+FORWARD_TILE_ELEMENTS = 1024
+
+
+def _forward_tile(block_d):
+    """(rows per program, warps) of the forward kernel: whole rows, about FORWARD_TILE_ELEMENTS per program.
+
+    At D = 256, 4 rows and 4 warps per program instead of one row and one warp: each call alone took the same
+    time on an H100 (16.7 vs 16.6 us at 16384 rows), but version 4's graph-captured step was faster, twice in
+    alternation: batch 32 x seq 512 bfloat16 2052.0 / 2055.2 -> 2039.6 / 2039.0 us, seed size bfloat16
+    477.4 -> 467.9 us, float32 634.0 -> 632.2 us.
+    """
+    if interpreter_active():
+        return 4, 1   # several rows per program, and a partial last tile, exercised on the CPU too
+    rows = max(1, FORWARD_TILE_ELEMENTS // block_d)
+    return rows, num_warps_for(rows * block_d)
 
 
 def _backward_tile(block_d, n_rows, device):
@@ -226,13 +303,13 @@ def _backward_program_count(n_rows, block_rows, device):
 _TICKET_COUNTERS = {}
 
 
-def _ticket_counter(device):
-    """One int32 zero per device, shared by all backward launches: each launch leaves it at zero again.
+def _ticket_counters(device):
+    """MAX_TICKETS int32 zeros per device, shared by all backward launches: each launch leaves them at zero.
 
-    It is created on first use and then kept, so a CUDA/HIP graph captured later reuses the same memory.
+    They are created on first use and then kept, so a CUDA/HIP graph captured later reuses the same memory.
     """
     if device not in _TICKET_COUNTERS:
-        _TICKET_COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        _TICKET_COUNTERS[device] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
     return _TICKET_COUNTERS[device]
 
 
@@ -241,34 +318,46 @@ def _as_rows(x, n_features):
     return x.reshape(-1, n_features).contiguous()
 
 
-def _rms_norm_forward(x, delta, weight, eps, stream_dtype, normed_dtype):
-    """Launch the forward kernel on rows x [N, D] (and delta [N, D] or None).
+def _rms_norm_forward(x, delta, weight, eps, stream_dtype, normed_dtype, ids=None):
+    """Launch the forward kernel on rows x [N, D] (and delta [N, D] or None); with ids [N], on the rows
+    x[ids] of a table x [V, D] instead (an embedding lookup, no delta).
 
-    Returns (new_residual [N, D] or None without delta, normed [N, D], rstd [N] float32).
+    Returns (new_residual [N, D], or None for plain rows without delta, normed [N, D], rstd [N] float32).
     """
-    n_rows, n_features = x.shape
+    gather = ids is not None
+    n_rows, n_features = (ids.shape[0], x.shape[1]) if gather else x.shape
     has_delta = delta is not None
-    new_residual = _new_output((n_rows, n_features), stream_dtype, x.device) if has_delta else None
+    writes_residual = has_delta or gather
+    new_residual = _new_output((n_rows, n_features), stream_dtype, x.device) if writes_residual else None
     normed = _new_output((n_rows, n_features), normed_dtype, x.device)
     rstd = _new_output((n_rows,), torch.float32, x.device)
     if n_rows > 0:
         block_d = _block_size(n_features)
-        # Without delta, x stands in for the two unused pointers: the kernel never touches them.
-        _add_rms_norm_forward_kernel[(n_rows,)](
-            x, delta if has_delta else x, weight, new_residual if has_delta else x, normed, rstd,
-            n_features, eps, HAS_DELTA=has_delta, BLOCK_D=block_d, num_warps=num_warps_for(block_d))
+        block_rows, num_warps = _forward_tile(block_d)
+        # x stands in for the pointers a launch does not use: the kernel never touches them.
+        _add_rms_norm_forward_kernel[(triton.cdiv(n_rows, block_rows),)](
+            x, delta if has_delta else x, weight, ids if gather else x, new_residual if writes_residual else x,
+            normed, rstd, n_rows, n_features, eps, HAS_DELTA=has_delta, GATHER=gather, BLOCK_D=block_d,
+            BLOCK_ROWS=block_rows, num_warps=num_warps)
     return new_residual, normed, rstd
 
 
-def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dtype=None):
+def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dtype=None, ids=None):
     """Launch the backward kernel. Returns (grad_h [N, D] in h's dtype, the same in copy_dtype or None,
-    grad_weight [D] float32)."""
-    n_rows, n_features = h.shape
+    grad_weight [D] float32).
+
+    With ids [N] (h is then the table [V, D] whose rows ids were normalised), grad_h is instead added into the
+    rows ids of a float32 [V, D] gradient of the table, which is returned in its place."""
+    scatter = ids is not None
+    n_rows, n_features = (ids.shape[0], h.shape[1]) if scatter else h.shape
     grad_normed = _as_rows(grad_normed, n_features)
     has_residual_grad = grad_new_residual is not None
     # Without a residual gradient, grad_normed stands in for the unused pointer.
     grad_res = _as_rows(grad_new_residual, n_features) if has_residual_grad else grad_normed
-    grad_h = _new_output((n_rows, n_features), h.dtype, h.device)
+    if scatter:
+        grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device)   # the atomic additions' start
+    else:
+        grad_h = _new_output((n_rows, n_features), h.dtype, h.device)
     grad_h_copy = _new_output((n_rows, n_features), copy_dtype, h.device) if copy_dtype is not None else None
     if n_rows == 0:
         return grad_h, grad_h_copy, torch.zeros(n_features, dtype=torch.float32, device=h.device)
@@ -276,19 +365,25 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
     block_d = _block_size(n_features)
     block_rows, num_warps = _backward_tile(block_d, n_rows, h.device)
     n_programs, rows_per_program = _backward_program_count(n_rows, block_rows, h.device)
+    group_size = n_programs if n_programs <= ONE_GROUP_UP_TO else GROUP_SIZE
+    n_groups = triton.cdiv(n_programs, group_size)
+    if n_groups + 1 > MAX_TICKETS:
+        raise ValueError(f"add_rms_norm backward: {n_programs} programs need {n_groups + 1} ticket counters, "
+                         f"more than MAX_TICKETS={MAX_TICKETS}")
     partial_grad_weight = torch.empty((n_features, n_programs), dtype=torch.float32, device=h.device)
-    last_sums = n_programs <= LAST_PROGRAM_SUMS_UP_TO
-    grad_weight = _new_output((n_features,), torch.float32, h.device) if last_sums else None
+    group_sums = torch.empty((n_features, n_groups), dtype=torch.float32, device=h.device)
+    grad_weight = _new_output((n_features,), torch.float32, h.device)
     _add_rms_norm_backward_kernel[(n_programs,)](
-        h, weight, rstd, grad_normed, grad_res, grad_h, grad_h if grad_h_copy is None else grad_h_copy,
-        partial_grad_weight, partial_grad_weight if grad_weight is None else grad_weight,
-        _ticket_counter(h.device), n_rows, n_features, rows_per_program, n_programs,
-        HAS_RESIDUAL_GRAD=has_residual_grad, WRITE_COPY=grad_h_copy is not None, LAST_SUMS=last_sums,
-        BLOCK_P=min(64, triton.next_power_of_2(n_programs)), L2_LOAD="" if is_rocm() else ".cg",
+        h, weight, rstd, grad_normed, grad_res, grad_h, ids if scatter else rstd,
+        grad_h if grad_h_copy is None else grad_h_copy, partial_grad_weight, group_sums, grad_weight,
+        _ticket_counters(h.device), n_rows, n_features, rows_per_program, n_programs, n_groups,
+        HAS_RESIDUAL_GRAD=has_residual_grad, WRITE_COPY=grad_h_copy is not None, SCATTER=scatter,
+        GROUP_SIZE=group_size, TWO_LEVELS=n_groups > 1,
+        # About 4096 float32 values per load, so that a summing program keeps its block in registers.
+        BLOCK_P=min(triton.next_power_of_2(max(group_size, n_groups)), max(1, 4096 // block_d)),
+        L2_LOAD="" if is_rocm() else ".cg",
         BLOCK_D=block_d, BLOCK_ROWS=block_rows,
         num_warps=num_warps)
-    if not last_sums:
-        grad_weight = partial_grad_weight.sum(dim=1)   # a fixed-order reduction: deterministic too
     return grad_h, grad_h_copy, grad_weight
 
 
@@ -353,6 +448,44 @@ class AddRMSNormFunction(torch.autograd.Function):
         return grad_residual, grad_delta, grad_weight, None, None
 
 
+class EmbeddingRMSNormFunction(torch.autograd.Function):
+    """(input_ids [...], table [V, D] float32, weight [D], eps, normed_dtype) -> (table[input_ids], its RMSNorm).
+
+    The embedding lookup and the first norm of the model in one kernel each way. Forward: the kernel reads the
+    rows of the table (which at a small vocabulary stays in the GPU's cache) and writes the residual stream and
+    the normalised rows; a separate lookup would write the rows and the norm read them back. Backward: the
+    kernel reads the table rows again instead of a saved copy, and adds the gradient of each row straight into
+    the table's gradient (atomic additions, as in kernels/embedding_backward.py) instead of writing it for an
+    embedding backward kernel to read back.
+    """
+
+    @staticmethod
+    def forward(ctx, input_ids, table, weight, eps, normed_dtype):
+        n_features = table.shape[1]
+        if weight.shape != (n_features,):
+            raise ValueError(f"weight {tuple(weight.shape)} must be [{n_features}]")
+        ids = input_ids.reshape(-1).contiguous()
+        table, weight = table.contiguous(), weight.contiguous()
+        h, normed, rstd = _rms_norm_forward(table, None, weight, eps, table.dtype, normed_dtype or table.dtype,
+                                            ids=ids)
+        ctx.save_for_backward(ids, table, weight, rstd)
+        ctx.set_materialize_grads(False)
+        shape = (*input_ids.shape, n_features)
+        return h.view(shape), normed.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_normed):
+        ids, table, weight, rstd = ctx.saved_tensors
+        if grad_normed is None:   # only the looked-up rows were used: a plain embedding backward
+            if grad_h is None:
+                return None, None, None, None, None
+            return None, embedding_backward(ids, grad_h, table.shape[0]), None, None, None
+        grad_table, _, grad_weight = _rms_norm_backward(table, weight, rstd, grad_normed, grad_h, ids=ids)
+        grad_table = grad_table if ctx.needs_input_grad[1] else None
+        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[2] else None
+        return None, grad_table, grad_weight, None, None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Public functions
 # ----------------------------------------------------------------------------------------------------------
@@ -370,3 +503,16 @@ def add_rms_norm(residual, delta, weight, eps=1e-6, normed_dtype=None):
 def rms_norm(x, weight, eps=1e-6):
     """Plain RMSNorm through the same kernels: `add_rms_norm(x, None, weight, eps)[1]`."""
     return add_rms_norm(x, None, weight, eps)[1]
+
+
+def embedding_rms_norm(input_ids, table, weight, eps=1e-6, normed_dtype=None):
+    """Fused `h = table[input_ids]; normed = RMSNorm(h) * weight`. Returns (h, normed), both [..., D].
+
+    table: [V, D] (an embedding weight; D <= 8192), weight: [D]. The same function as `embedding_lookup` followed
+    by `add_rms_norm(h, None, weight, eps, normed_dtype)`, in one kernel each way. The table's gradient comes from
+    atomic additions, so it needs a float32 table: other dtypes take the two separate ops.
+    """
+    if table.dtype != torch.float32:
+        h = embedding_lookup(input_ids, table)
+        return h, add_rms_norm(h, None, weight, eps, normed_dtype)[1]
+    return EmbeddingRMSNormFunction.apply(input_ids, table, weight, eps, normed_dtype)

@@ -15,8 +15,10 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      version 3's SwiGLU kernels (forward and backward) disappear (SwiGLUFeedForward).
   5. LM head + cross-entropy fused and chunked (kernels/linear_cross_entropy.py): the float32 logits of the
      whole batch never exist; the loss kernel writes d(loss)/d(logits) in place, so backward is two GEMMs.
-  6. Token-embedding backward as a zero fill + one Triton scatter-add kernel (kernels/embedding_backward.py)
-     instead of PyTorch's sort-based kernel.
+  6. Token embedding + the first RMSNorm in one kernel each way (embedding_rms_norm in kernels/add_rmsnorm.py):
+     the norm reads the table rows itself, and its backward adds each row's gradient into the table's gradient
+     with atomics (the scatter-add of kernels/embedding_backward.py), instead of PyTorch's gather and sort-based
+     backward around a separate norm.
   7. Under autocast, the fused norm writes its output directly in bfloat16 for the GEMM that reads it, and
      all projection weights are copied to bfloat16 by ONE kernel per step (autocast casts each weight in its
      own kernel and, in backward, widens each weight gradient in another); weight gradients come out of
@@ -25,7 +27,8 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
   9. CUDA/HIP graph: after a few eager warm-up steps, forward + backward + optimizer are captured ONCE and every
      later step is a single graph replay: no Python, no per-kernel launch cost (--no-cuda-graph to compare).
      Inside it, the weight-gradient GEMMs of the backward pass run on a second stream, at the same time as the
-     rest of the backward pass (WeightGradientStream; --no-weight-grad-stream to compare).
+     rest of the backward pass (WeightGradientStream; --no-weight-grad-stream to compare), and the bfloat16
+     weight copy of item 7 runs there beside the embedding lookup and first norm, which do not need it.
  10. TF32 tensor cores for float32 matmuls (--no-tf32 for exact float32): the same precision Triton already
      uses for float32 tl.dot.
 

@@ -1,6 +1,7 @@
 """Version 4's fused ops against float64 PyTorch references: forward and every gradient.
 
-- add_rmsnorm: residual + delta and RMSNorm in one kernel (and delta=None: plain RMSNorm).
+- add_rmsnorm: residual + delta and RMSNorm in one kernel (and delta=None: plain RMSNorm), and the embedding
+  lookup + RMSNorm of the first layer (embedding_rms_norm).
 - linear_cross_entropy: output head + cross-entropy in chunks, the gradient computed during forward.
 - embedding_backward: the token-embedding gradient as one scatter-add kernel.
 - swiglu_gemm: the feed-forward GEMMs with SwiGLU (forward) and its backward in their epilogues.
@@ -184,24 +185,28 @@ def test_add_rms_norm_weight_grad_is_deterministic(device):
     assert torch.equal(grads[0], grads[1])
 
 
-@pytest.mark.parametrize("group_size, one_group_up_to", [(10**6, 10**6), (2, 0), (3, 0)],
-                         ids=["one group", "two levels, even groups", "two levels, short last group"])
-def test_add_rms_norm_weight_grad_summed_by_the_programs(group_size, one_group_up_to, monkeypatch, device):
+@pytest.mark.parametrize("group_size, one_group_up_to, d", [(10**6, 10**6, 96), (2, 0, 96), (3, 0, 96),
+                                                          (3, 0, 1500)],
+                         ids=["one group", "two levels, even groups", "two levels, short last group",
+                              "two levels, several passes per sum"])
+def test_add_rms_norm_weight_grad_summed_by_the_programs(group_size, one_group_up_to, d, monkeypatch, device):
     """The partial weight gradients are added by the last program (one group), or per group of programs and then
-    across the groups (two levels); either way right, the same on every run, and the counters left at zero."""
+    across the groups (two levels); either way right, the same on every run (which only a GPU, where programs
+    finish in any order, can really test), and the counters left at zero. At D = 1500 a summing program reads
+    2 partial sums at a time, so its loop takes several passes, the last one partial."""
     monkeypatch.setattr(arn, "GROUP_SIZE", group_size)
     monkeypatch.setattr(arn, "ONE_GROUP_UP_TO", one_group_up_to)
     # 4 programs in the interpreter (and 37 rows make the last one short); on a GPU, 40000 rows make a few
     # hundred programs, so small groups give many of them.
     rows = 40000 if device.type == "cuda" else 37
-    check_add_rms_norm((rows, 96), torch.float32, device, seed=51)
+    check_add_rms_norm((rows, d), torch.float32, device, seed=51)
     assert not arn._ticket_counters(device).any()   # left ready for the next launch
-    shape = (rows, 96)
+    shape = (rows, d)
     residual, delta = random(shape, torch.float32, device, 52), random(shape, torch.float32, device, 53)
     grad_normed = random(shape, torch.float32, device, 54)
     grads = []
     for _ in range(3):
-        weight = leaf(random((96,), torch.float32, device, 55))
+        weight = leaf(random((d,), torch.float32, device, 55))
         arn.add_rms_norm(residual, delta, weight, EPS)[1].backward(grad_normed)
         grads.append(weight.grad)
     assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
@@ -253,8 +258,49 @@ def test_embedding_rms_norm_of_a_16bit_table_takes_the_separate_ops(device):
     h, normed = arn.embedding_rms_norm(ids, table, weight, EPS)
     (h.float().sum() + normed.float().sum()).backward()
     assert h.dtype == normed.dtype == torch.float16 and table.grad.dtype == torch.float16
-    h_ref, normed_ref = reference_add_rms_norm(table.detach().double()[ids], None, weight.detach().double())
+    table64, weight64 = as_float64_leaf(table), as_float64_leaf(weight)
+    h_ref, normed_ref = reference_add_rms_norm(table64[ids], None, weight64)
+    (h_ref.sum() + normed_ref.sum()).backward()
     assert_matches(normed, normed_ref, torch.float16, "normed")
+    assert_matches(table.grad, table64.grad, torch.float16, "grad table")
+
+
+def test_embedding_rms_norm_of_no_tokens(device):
+    table = leaf(random((5, 16), torch.float32, device, 72))
+    weight = leaf(torch.ones(16, device=device))
+    h, normed = arn.embedding_rms_norm(torch.zeros(0, 3, dtype=torch.long, device=device), table, weight, EPS)
+    assert h.shape == normed.shape == (0, 3, 16)
+    (h.sum() + normed.sum()).backward()
+    assert torch.equal(table.grad, torch.zeros_like(table)) and torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_embedding_rms_norm_marks_ids_outside_the_table(device):
+    """An id outside [0, V) reads and writes nothing outside the table: its rows come out NaN (so the loss shows
+    it), the other rows and the table's gradient are right."""
+    ids = torch.tensor([[1, 5, 0, -1, 2]], device=device)   # V = 3: 5 and -1 are outside
+    good = torch.tensor([True, False, True, False, True], device=device)
+    table = leaf(random((3, 16), torch.float32, device, 73))
+    weight = leaf(random((16,), torch.float32, device, 74) + 1.0)
+    h, normed = arn.embedding_rms_norm(ids, table, weight, EPS)
+    assert torch.isnan(h[0, ~good]).all() and torch.isnan(normed[0, ~good]).all()
+    grad_normed = random((1, 5, 16), torch.float32, device, 75)
+    normed.backward(grad_normed)
+    table64, weight64 = as_float64_leaf(table), as_float64_leaf(weight)
+    normed64 = reference_add_rms_norm(table64[ids[:, good]], None, weight64)[1]
+    normed64.backward(grad_normed[:, good].double())
+    assert_matches(h[:, good], table64.detach()[ids[:, good]], torch.float32, "rows")
+    assert_matches(normed[:, good], normed64, torch.float32, "normed")
+    assert_matches(table.grad, table64.grad, torch.float32, "grad table")
+
+
+def test_embedding_rms_norm_rejects_bad_arguments(device):
+    table, weight = torch.ones(3, 8, device=device), torch.ones(8, device=device)
+    with pytest.raises(ValueError, match="integers"):
+        arn.embedding_rms_norm(torch.zeros(2, device=device), table, weight)
+    with pytest.raises(ValueError, match=r"\[V, D\]"):
+        arn.embedding_rms_norm(torch.zeros(2, dtype=torch.long, device=device), table[0], weight)
+    with pytest.raises(ValueError, match="must be"):
+        arn.embedding_rms_norm(torch.zeros(2, dtype=torch.long, device=device), table, weight[:4])
 
 
 @pytest.mark.gpu

@@ -95,7 +95,7 @@ def test_weight_gradients_on_a_second_stream_equal_autograds(amp, backward_passe
 
 @pytest.mark.gpu
 def test_graph_with_a_frozen_embedding_trains_like_the_eager_step():
-    """The streams are joined by the step itself, so a backward pass that never reaches the embedding (frozen
+    """The streams are joined by the step itself, so a backward pass that computes no embedding gradient (frozen
     here) still waits for every weight-gradient GEMM before the optimizer, in the graph as in eager mode."""
     from tinytransformer.config import ModelConfig, TrainConfig
     from tinytransformer.trainer import EagerStep

@@ -45,10 +45,10 @@ KERNEL_FAMILIES = (
     ("feed-forward GEMMs + SwiGLU (Triton)", r"swiglu"),
     ("QKV GEMM + RoPE (Triton)", r"qkv_rope"),
     ("GEMMs (vendor BLAS)", r"gemm|nvjet|cutlass|Cijk_|splitKreduce|cublas"),
-    ("norms", r"rms_norm|native::reduce_kernel"),   # PyTorch's reduce_kernel: the norm weight-gradient sums
+    ("norms", r"rms_norm|native::reduce_kernel"),   # reduce_kernel: norm weight-gradient sums, in older versions
     ("loss", r"cross_entropy|mean_loss|_scale_pair_kernel"),
     ("optimizer and weight copies", r"multi_tensor_apply"),
-    ("embedding", r"embedding|gather|indexFunc"),
+    ("embedding", r"embedding|gather|indexFunc"),   # since the first norm does the lookup: none in version 4
 )
 
 

@@ -6,9 +6,9 @@ A pre-norm transformer block does, twice per layer,
     normed = weight * h / sqrt(mean(h^2) + eps)    # the input of the next sub-layer
 
 In plain PyTorch that is an add, a square, a mean, an rsqrt, two multiplies and a cast: several kernels, each
-reading and writing a whole [N, D] tensor. Here one Triton program owns one row: it reads `residual` and
-`delta` once, writes `h` and `normed` once, and keeps everything in between in registers. The statistics are
-computed in float32 whatever the input dtype, exactly like the reference
+reading and writing a whole [N, D] tensor. Here each Triton program owns whole rows (a few per program): it
+reads `residual` and `delta` once, writes `h` and `normed` once, and keeps everything in between in registers.
+The statistics are computed in float32 whatever the input dtype, exactly like the reference
 
     h = residual + delta
     normed = (weight * (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps))).to(h.dtype)
@@ -33,6 +33,13 @@ sum. One level alone would leave one program adding hundreds of partial sums whi
 an H100: ~12 us for 528 partial sums of 256 features). Either way the additions happen in a fixed order
 (program order, then group order), whichever program finishes when: the result is the same bit for bit on
 every run.
+
+The model's first norm has no residual add but follows the token-embedding lookup: `embedding_rms_norm` does
+both in one kernel each way. The forward kernel reads row ids[r] of the embedding table for row r (GATHER) and
+writes it as the residual stream along with its norm; the backward kernel reads the table rows again and adds
+each row's gradient into the table's gradient with atomic additions (SCATTER), as kernels/embedding_backward.py
+does, instead of writing it for a separate kernel to read back. An id outside [0, V) reads and writes nothing:
+its rows come out as NaN (PyTorch's lookup would stop with an error), so a bad batch shows up in the loss.
 """
 import torch
 import triton
@@ -59,9 +66,9 @@ MAX_TICKETS = 1024
 @triton.jit
 def _add_rms_norm_forward_kernel(
     residual_ptr, delta_ptr, weight_ptr,      # inputs: [N, D] (GATHER: [V, D]), [N, D] (unused without delta), [D]
-    ids_ptr,                                  # input with GATHER: [N] int64, the table row of each row
+    ids_ptr,                                  # input with GATHER: [N] integers, the table row of each row
     new_residual_ptr, normed_ptr, rstd_ptr,   # outputs: [N, D], [N, D], [N] float32 (kept for backward)
-    n_rows, n_features, eps,
+    n_rows, n_features, n_table_rows, eps,    # n_table_rows: V, with GATHER
     HAS_DELTA: tl.constexpr,                  # False: plain RMSNorm, nothing added
     GATHER: tl.constexpr,                     # residual row r is row ids[r] of a table (an embedding lookup)
     BLOCK_D: tl.constexpr,                    # power of two >= n_features: the whole row in one block
@@ -76,7 +83,9 @@ def _add_rms_norm_forward_kernel(
 
     if GATHER:
         ids = tl.load(ids_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        h = tl.load(residual_ptr + ids[:, None] * n_features + cols[None, :], mask=mask, other=0.0)
+        id_ok = (ids >= 0) & (ids < n_table_rows)
+        h = tl.load(residual_ptr + ids[:, None] * n_features + cols[None, :], mask=mask & id_ok[:, None], other=0.0)
+        h = tl.where(id_ok[:, None], h, float("nan"))         # a bad id: NaN rows, nothing read outside the table
         tl.store(new_residual_ptr + offsets, h, mask=mask)   # the looked-up rows: the residual stream
         h = h.to(tl.float32)
     else:
@@ -104,17 +113,17 @@ def _add_rms_norm_backward_kernel(
     grad_normed_ptr, grad_new_residual_ptr,   # incoming gradients: [N, D], [N, D] (unused without it)
     grad_h_ptr,                               # output: [N, D], the gradient of residual and of delta
                                               #   (SCATTER: [V, D] float32, zero on entry; row r adds into ids[r])
-    ids_ptr,                                  # with SCATTER: [N] int64, the table row of each row (h_ptr: table)
+    ids_ptr,                                  # with SCATTER: [N] integers, the table row of each row (h_ptr: table)
     grad_h_copy_ptr,                          # output: [N, D], the same gradient in delta's dtype (WRITE_COPY)
     partial_grad_weight_ptr,                  # scratch: [D, programs] float32, one partial sum per program
     group_sum_ptr,                            # scratch: [D, groups] float32, one sum per group (TWO_LEVELS)
     grad_weight_ptr,                          # output: [D] float32, written by the last group-summing program
     ticket_ptr,                               # int32 counters, one per group then one for the groups; 0 on entry
-    n_rows, n_features, rows_per_program, n_programs, n_groups,
+    n_rows, n_features, n_table_rows, rows_per_program, n_programs, n_groups,   # n_table_rows: V, with SCATTER
     HAS_RESIDUAL_GRAD: tl.constexpr,          # False when nothing downstream used new_residual
     WRITE_COPY: tl.constexpr,                 # True when delta's dtype differs from h's (e.g. bf16 vs float32)
     SCATTER: tl.constexpr,                    # h is rows ids[r] of a table, and grad_h is added into its gradient
-    GROUP_SIZE: tl.constexpr,                 # programs per group (the last group may have fewer)
+    PROGRAMS_PER_GROUP: tl.constexpr,         # programs per group (the last group may have fewer)
     TWO_LEVELS: tl.constexpr,                 # False with a single group: its sum is the weight gradient
     BLOCK_P: tl.constexpr,                    # partial sums read at a time by a summing program
     L2_LOAD: tl.constexpr,                    # ".cg" on NVIDIA (bypass L1); "" on AMD, whose acquire invalidates
@@ -140,6 +149,7 @@ def _add_rms_norm_backward_kernel(
         offsets = rows[:, None] * n_features + cols[None, :]
         if SCATTER:
             ids = tl.load(ids_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+            mask = mask & ((ids >= 0) & (ids < n_table_rows))[:, None]   # a bad id: its rows add nothing
             h_offsets = ids[:, None] * n_features + cols[None, :]
         else:
             h_offsets = offsets
@@ -167,9 +177,9 @@ def _add_rms_norm_backward_kernel(
     tl.store(partial_grad_weight_ptr + cols * n_programs + program, tl.sum(grad_weight_acc, axis=0), mask=col_mask)
 
     # Level 1: the last program of this group to finish adds the group's partial sums.
-    group = program // GROUP_SIZE
-    first_in_group = group * GROUP_SIZE
-    group_programs = tl.minimum(n_programs - first_in_group, GROUP_SIZE)
+    group = program // PROGRAMS_PER_GROUP
+    first_in_group = group * PROGRAMS_PER_GROUP
+    group_programs = tl.minimum(n_programs - first_in_group, PROGRAMS_PER_GROUP)
     if _is_last_to_arrive(ticket_ptr + group, group_programs):
         if TWO_LEVELS:
             _sum_columns(partial_grad_weight_ptr, n_programs, first_in_group, group_programs,
@@ -186,7 +196,8 @@ def _add_rms_norm_backward_kernel(
 @triton.jit
 def _is_last_to_arrive(ticket_ptr, n_arrivals):
     """True for the program that takes the last of n_arrivals tickets; that program resets the counter to 0,
-    ready for the next launch (launches on one stream never overlap).
+    ready for the next launch. The counters are shared by every launch on the device, so two backward launches
+    must never run at the same time: all of them run on the main stream, one after another.
 
     The atomic add (acquire-release, device scope) publishes everything this program stored before its ticket
     is counted, and lets the program holding the last ticket see what every other program stored. One thread
@@ -288,7 +299,7 @@ def _backward_tile(block_d, n_rows, device):
 def _backward_program_count(n_rows, block_rows, device):
     """A few programs per SM (compute unit), each owning a contiguous range of rows.
 
-    Fewer programs than rows keeps the partial-sum buffer (and torch.sum over it) small; a few per SM keep
+    Fewer programs than rows keeps the partial-sum buffer (and its summing) small; a few per SM keep
     enough loads in flight to stream at memory speed.
     """
     if device.type == "cuda" and not interpreter_active():
@@ -337,7 +348,7 @@ def _rms_norm_forward(x, delta, weight, eps, stream_dtype, normed_dtype, ids=Non
         # x stands in for the pointers a launch does not use: the kernel never touches them.
         _add_rms_norm_forward_kernel[(triton.cdiv(n_rows, block_rows),)](
             x, delta if has_delta else x, weight, ids if gather else x, new_residual if writes_residual else x,
-            normed, rstd, n_rows, n_features, eps, HAS_DELTA=has_delta, GATHER=gather, BLOCK_D=block_d,
+            normed, rstd, n_rows, n_features, x.shape[0], eps, HAS_DELTA=has_delta, GATHER=gather, BLOCK_D=block_d,
             BLOCK_ROWS=block_rows, num_warps=num_warps)
     return new_residual, normed, rstd
 
@@ -365,22 +376,25 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
     block_d = _block_size(n_features)
     block_rows, num_warps = _backward_tile(block_d, n_rows, h.device)
     n_programs, rows_per_program = _backward_program_count(n_rows, block_rows, h.device)
-    group_size = n_programs if n_programs <= ONE_GROUP_UP_TO else GROUP_SIZE
-    n_groups = triton.cdiv(n_programs, group_size)
+    # One group up to ONE_GROUP_UP_TO programs (that constant as the group size, so that the kernel is compiled
+    # once for all such counts), else groups of GROUP_SIZE.
+    programs_per_group = ONE_GROUP_UP_TO if n_programs <= ONE_GROUP_UP_TO else GROUP_SIZE
+    n_groups = triton.cdiv(n_programs, programs_per_group)
     if n_groups + 1 > MAX_TICKETS:
         raise ValueError(f"add_rms_norm backward: {n_programs} programs need {n_groups + 1} ticket counters, "
                          f"more than MAX_TICKETS={MAX_TICKETS}")
-    partial_grad_weight = torch.empty((n_features, n_programs), dtype=torch.float32, device=h.device)
-    group_sums = torch.empty((n_features, n_groups), dtype=torch.float32, device=h.device)
+    partial_grad_weight = _new_output((n_features, n_programs), torch.float32, h.device)
+    group_sums = _new_output((n_features, n_groups), torch.float32, h.device)
     grad_weight = _new_output((n_features,), torch.float32, h.device)
+    largest_sum = max(min(programs_per_group, n_programs), n_groups)   # partial sums one program adds at most
     _add_rms_norm_backward_kernel[(n_programs,)](
         h, weight, rstd, grad_normed, grad_res, grad_h, ids if scatter else rstd,
         grad_h if grad_h_copy is None else grad_h_copy, partial_grad_weight, group_sums, grad_weight,
-        _ticket_counters(h.device), n_rows, n_features, rows_per_program, n_programs, n_groups,
+        _ticket_counters(h.device), n_rows, n_features, h.shape[0], rows_per_program, n_programs, n_groups,
         HAS_RESIDUAL_GRAD=has_residual_grad, WRITE_COPY=grad_h_copy is not None, SCATTER=scatter,
-        GROUP_SIZE=group_size, TWO_LEVELS=n_groups > 1,
+        PROGRAMS_PER_GROUP=programs_per_group, TWO_LEVELS=n_groups > 1,
         # About 4096 float32 values per load, so that a summing program keeps its block in registers.
-        BLOCK_P=min(triton.next_power_of_2(max(group_size, n_groups)), max(1, 4096 // block_d)),
+        BLOCK_P=min(triton.next_power_of_2(largest_sum), max(1, 4096 // block_d)),
         L2_LOAD="" if is_rocm() else ".cg",
         BLOCK_D=block_d, BLOCK_ROWS=block_rows,
         num_warps=num_warps)
@@ -461,6 +475,12 @@ class EmbeddingRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_ids, table, weight, eps, normed_dtype):
+        if table.dim() != 2:
+            raise ValueError(f"table must be [V, D], got {tuple(table.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be integers, got {input_ids.dtype}")
+        if input_ids.device != table.device:
+            raise ValueError(f"input_ids on {input_ids.device}, table on {table.device}: they must share a device")
         n_features = table.shape[1]
         if weight.shape != (n_features,):
             raise ValueError(f"weight {tuple(weight.shape)} must be [{n_features}]")

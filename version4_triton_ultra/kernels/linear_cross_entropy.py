@@ -206,6 +206,8 @@ def scaled_pair(a, a_dtype, b, b_dtype, grad_output, inv_count):
     """(a * s in a_dtype, b * s in b_dtype) with s = grad_output * inv_count, from one kernel. a and b are
     contiguous tensors or None (then None comes back); grad_output and inv_count one-element float32 tensors on
     their device."""
+    a = a.contiguous() if a is not None else None   # the kernel indexes them as flat arrays
+    b = b.contiguous() if b is not None else None
     present = [t for t in (a, b) if t is not None]
     if not present:
         return None, None

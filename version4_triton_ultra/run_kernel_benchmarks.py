@@ -7,7 +7,9 @@ time, speed-up and the Triton op's achieved bandwidth.
 
 Ops: add_rmsnorm (residual add + RMSNorm in one kernel, against the add and RMSNorm in PyTorch),
 linear_cross_entropy (output head + cross-entropy in chunks, against the lm_head matmul + F.cross_entropy in
-float32) and embedding (the token lookup whose backward is one scatter-add kernel, against F.embedding).
+float32), embedding (the token lookup whose backward is one scatter-add kernel, against F.embedding) and
+embedding_rmsnorm (the lookup and the model's first RMSNorm in one kernel each way, against F.embedding and
+the RMSNorm in PyTorch).
 Version 3's kernels (rmsnorm, rope, swiglu, flash_attention) are in version3_triton/run_triton_profiling.py.
 Without a GPU there is nothing to time: `--check` then verifies the ops in Triton's CPU interpreter at a small
 size.
@@ -28,7 +30,7 @@ from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa:
 enable_interpreter_if_no_gpu()  # without a GPU: Triton's interpreter, chosen before the kernels import triton
 
 from tinytransformer import kernel_bench as kb  # noqa: E402
-from version4_triton_ultra.kernels.add_rmsnorm import MAX_FEATURES, add_rms_norm  # noqa: E402
+from version4_triton_ultra.kernels.add_rmsnorm import MAX_FEATURES, add_rms_norm, embedding_rms_norm  # noqa: E402
 from version4_triton_ultra.kernels.embedding_backward import embedding_lookup  # noqa: E402
 from version4_triton_ultra.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 
@@ -137,7 +139,45 @@ EMBEDDING = kb.OpBench(
          "adds: the summation order, and so the last bits of float32, may change from run to run).",
 )
 
-OPS = [ADD_RMSNORM, LINEAR_CROSS_ENTROPY, EMBEDDING]
+
+# ----------------------------------------------------------------------------------------------------------
+# embedding_rmsnorm: table [V, D], norm weight [D], token ids [N] -> (h = table[ids], normed = RMSNorm(h) * weight)
+# ----------------------------------------------------------------------------------------------------------
+def embedding_rmsnorm_inputs(s, device):
+    # float32 whatever --dtype says, as for embedding: the model's table and its first residual stream.
+    table = kb.random_tensor((s.V, s.D), torch.float32, device)
+    ids = torch.randint(0, s.V, (s.N,), device=device)
+    return kb.InputSet([table, kb.random_norm_weight(s.D, torch.float32, device)], [ids])
+
+
+def torch_embedding_rmsnorm(table, weight, ids):
+    h = F.embedding(ids, table)
+    return h, kb.torch_rms_norm(h, weight, EPS)
+
+
+EMBEDDING_RMSNORM = kb.OpBench(
+    name="embedding_rmsnorm",
+    make_inputs=embedding_rmsnorm_inputs,
+    triton=lambda table, weight, ids: embedding_rms_norm(ids, table, weight, EPS),
+    pytorch={"F.embedding + v1 RMSNorm": torch_embedding_rmsnorm},
+    output_names=("h", "normed"), input_names=("table", "weight"),
+    # Byte model (float32). Forward: read the ids and N table rows; write h, normed and rstd. Backward: read the
+    # ids, the N table rows again, the gradients of h and of normed, and rstd; write zeros to the table's
+    # gradient, then add into it (and the D-element weight gradient, left out).
+    byte_model={
+        "fwd": ("12*N*D + 12*N (read ids, N table rows; write h, normed, rstd)",
+                lambda s: 12 * s.N * s.D + 12 * s.N),
+        "bwd": ("12*N*D + 12*N + 8*V*D (read ids, table rows, dh, dnormed, rstd; write zeros to grad_table, "
+                "then add into it)",
+                lambda s: 12 * s.N * s.D + 12 * s.N + 8 * s.V * s.D),
+    },
+    validate=lambda s: None if s.D <= MAX_FEATURES else
+    f"the kernel holds a row in registers: hidden {s.D} > {MAX_FEATURES}",
+    note="the table's gradient comes from atomic adds: the summation order, and so the last bits of float32, "
+         "may change from run to run.",
+)
+
+OPS = [ADD_RMSNORM, LINEAR_CROSS_ENTROPY, EMBEDDING, EMBEDDING_RMSNORM]
 
 
 def main(argv=None) -> int:

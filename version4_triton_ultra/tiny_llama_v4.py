@@ -360,7 +360,6 @@ class TinyLlama(nn.Module):
         self.projections = [m for m in self.modules() if isinstance(m, Projection)]
         self.weights16 = []   # the 16-bit copies of the projection weights, reused from step to step
         self.weight_grad_stream = None   # a WeightGradientStream once use_weight_gradient_stream() is called
-        self.copy_weights_on_second_stream = True   # the 16-bit weight copy beside the embedding (with that stream)
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -391,7 +390,7 @@ class TinyLlama(nn.Module):
             self.weights16 = [torch.empty_like(w, dtype=dtype) for w in weights]
         for projection, weight16 in zip(self.projections, self.weights16):
             projection.weight16 = weight16
-        if self.weight_grad_stream is None or not self.copy_weights_on_second_stream:
+        if self.weight_grad_stream is None:
             with torch.no_grad():
                 torch._foreach_copy_(self.weights16, weights)
             return None

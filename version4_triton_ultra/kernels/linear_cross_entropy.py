@@ -206,23 +206,22 @@ def scaled_pair(a, a_dtype, b, b_dtype, grad_output, inv_count):
     """(a * s in a_dtype, b * s in b_dtype) with s = grad_output * inv_count, from one kernel. a and b are
     contiguous tensors or None (then None comes back); grad_output and inv_count one-element float32 tensors on
     their device."""
+    if a is None and b is None:
+        return None, None
     a = a.contiguous() if a is not None else None   # the kernel indexes them as flat arrays
     b = b.contiguous() if b is not None else None
-    present = [t for t in (a, b) if t is not None]
-    if not present:
-        return None, None
     a_out = _new_output(a.shape, a_dtype, a.device) if a is not None else None
     b_out = _new_output(b.shape, b_dtype, b.device) if b is not None else None
+    # A missing tensor gets no programs, so its pointers are never used: the other tensor stands in.
+    a_in, a_to = (a, a_out) if a is not None else (b, b)
+    b_in, b_to = (b, b_out) if b is not None else (a, a)
     a_elements = a.numel() if a is not None else 0
     b_elements = b.numel() if b is not None else 0
     a_programs = triton.cdiv(a_elements, SCALE_BLOCK)
     n_programs = a_programs + triton.cdiv(b_elements, SCALE_BLOCK)
     if n_programs > 0:
-        # A missing tensor's pointers are never used (it has no programs): any present tensor stands in.
-        _scale_pair_kernel[(n_programs,)](
-            present[0] if a is None else a, present[0] if a is None else a_out, a_elements, a_programs,
-            present[-1] if b is None else b, present[-1] if b is None else b_out, b_elements,
-            grad_output, inv_count, BLOCK=SCALE_BLOCK, num_warps=8)
+        _scale_pair_kernel[(n_programs,)](a_in, a_to, a_elements, a_programs, b_in, b_to, b_elements,
+                                          grad_output, inv_count, BLOCK=SCALE_BLOCK, num_warps=8)
     return a_out, b_out
 
 

@@ -105,6 +105,7 @@ def test_the_check_runs_torch_matmuls_in_float32_whatever_the_process_chose(monk
         return kb.torch_rms_norm(x, weight, v3.EPS)
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    monkeypatch.setattr(kb, "timing_available", lambda: False)   # the check only: timing keeps the setting
     ops = [dataclasses.replace(v3.RMSNORM, triton=recording)]
     code = kb.main(ops, prog="bench", description="", argv=["--check", "--output-json", str(tmp_path / "o.json"),
                                                               *TINY])

@@ -5,6 +5,7 @@
     python profile_graphed_step.py --use-amp --batch-size 32 --seq-len 512 --top 20
     python profile_graphed_step.py --no-weight-grad-stream          (weight gradients on the main stream)
     python profile_graphed_step.py --rope-in-attention              (RoPE on load instead of in the QKV GEMM)
+    python profile_graphed_step.py --use-amp --torch-adamw          (torch's fused AdamW + a separate weight copy)
 
 The training script (tiny_llama_v4.py) times the whole loop: the graph replay plus the copy of each batch into
 the graph's input buffers. This script builds the same model and the same GraphedStep, replays it on one fixed
@@ -47,7 +48,7 @@ KERNEL_FAMILIES = (
     ("GEMMs (vendor BLAS)", r"gemm|nvjet|cutlass|Cijk_|splitKreduce|cublas"),
     ("norms", r"rms_norm|native::reduce_kernel"),   # reduce_kernel: norm weight-gradient sums, in older versions
     ("loss", r"cross_entropy|mean_loss|_scale_pair_kernel"),
-    ("optimizer and weight copies", r"multi_tensor_apply"),
+    ("optimizer and weight copies", r"multi_tensor_apply|adamw"),
     ("embedding", r"embedding|gather|indexFunc"),   # since the first norm does the lookup: none in version 4
 )
 
@@ -78,6 +79,9 @@ def parse_args(argv):
                         help="weight-gradient GEMMs on the main stream (default: on a second stream)")
     parser.add_argument("--rope-in-attention", action="store_true",
                         help="RoPE as the attention kernel loads q and k (default: in the QKV GEMM's epilogue)")
+    parser.add_argument("--torch-adamw", action="store_true",
+                        help="torch.optim.AdamW(fused=True) and a separate bfloat16 weight copy (default: version "
+                             "4's Triton AdamW, which writes the copies)")
     parser.add_argument("--steps", type=positive_int, default=200, help="timed replays [200]")
     parser.add_argument("--top", type=positive_int, default=45, help="kernel rows to print [45]")
     args = parser.parse_args(argv)
@@ -87,7 +91,7 @@ def parse_args(argv):
 
 
 def build_step(args):
-    """The model, its fused AdamW and version 4's GraphedStep, as the training script builds them."""
+    """The model, its optimizer and version 4's GraphedStep, as the training script builds them."""
     from version4_triton_ultra import tiny_llama_v4 as v4
     torch.backends.cuda.matmul.allow_tf32 = True    # the training script's default (--tf32)
     config = ModelConfig(max_seq_len=max(args.seq_len, ModelConfig().max_seq_len))
@@ -95,6 +99,7 @@ def build_step(args):
                         amp_dtype="bfloat16")
     model = v4.TinyLlama(config)
     model.capturable_optimizer = True
+    model.use_triton_adamw = not args.torch_adamw
     model.use_rope_in_attention(args.rope_in_attention)
     model.cuda()
     step = v4.GraphedStep(model, model.configure_optimizer(train), torch.device("cuda"), train,

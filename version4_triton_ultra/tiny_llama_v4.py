@@ -20,15 +20,17 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      with atomics (the scatter-add of kernels/embedding_backward.py), instead of PyTorch's gather and sort-based
      backward around a separate norm.
   7. Under autocast, the fused norm writes its output directly in bfloat16 for the GEMM that reads it, and
-     all projection weights are copied to bfloat16 by ONE kernel per step (autocast casts each weight in its
-     own kernel and, in backward, widens each weight gradient in another); weight gradients come out of
-     their GEMM in float32 directly.
-  8. Fused AdamW (`torch.optim.AdamW(fused=True)`): one kernel for all parameters instead of a dozen.
+     the projections multiply with bfloat16 copies of their weights that the optimizer writes (item 8) as it
+     updates the weights (autocast casts each weight in its own kernel and, in backward, widens each weight
+     gradient in another); weight gradients come out of their GEMM in float32 directly.
+  8. AdamW in one Triton kernel for all parameters (kernels/adamw.py), which also writes the bfloat16 weight
+     copies of item 7 from the updated values: no separate copy pass before the next forward pass.
+     --torch-adamw uses torch.optim.AdamW(fused=True) and one copy kernel per step instead, to compare.
   9. CUDA/HIP graph: after a few eager warm-up steps, forward + backward + optimizer are captured ONCE and every
      later step is a single graph replay: no Python, no per-kernel launch cost (--no-cuda-graph to compare).
      Inside it, the weight-gradient GEMMs of the backward pass run on a second stream, at the same time as the
-     rest of the backward pass (WeightGradientStream; --no-weight-grad-stream to compare), and the bfloat16
-     weight copy of item 7 runs there beside the embedding lookup and first norm, which do not need it.
+     rest of the backward pass (WeightGradientStream; --no-weight-grad-stream to compare); with --torch-adamw
+     the bfloat16 weight copy runs there beside the embedding lookup and first norm, which do not need it.
  10. TF32 tensor cores for float32 matmuls (--no-tf32 for exact float32): the same precision Triton already
      uses for float32 tl.dot.
 
@@ -56,6 +58,7 @@ from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, 
 from version3_triton.kernels.flash_attention import (flash_attention_packed, packed_attention_backward,  # noqa: E402
                                                      packed_attention_forward)
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
+from version4_triton_ultra.kernels.adamw import TritonAdamW  # noqa: E402
 from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm, embedding_rms_norm  # noqa: E402
 from version4_triton_ultra.kernels.linear_cross_entropy import (  # noqa: E402
     accumulate_matmul, linear_cross_entropy, matmul_to_float32)
@@ -359,18 +362,26 @@ class TinyLlama(nn.Module):
         self.lm_head = Projection(config.hidden_dim, config.vocab_size)
         self.projections = [m for m in self.modules() if isinstance(m, Projection)]
         self.weights16 = []   # the 16-bit copies of the projection weights, reused from step to step
+        self.sixteen_bit_copies = {}   # {weight: its copy} while autocast is on: what TritonAdamW keeps current
+        self.optimizer_writes_copies = False   # set by configure_optimizer when it returns a TritonAdamW
+        self.copied_versions = None   # the weights' version counters when the copies were last made
         self.weight_grad_stream = None   # a WeightGradientStream once use_weight_gradient_stream() is called
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.use_fused_adamw = True
+        self.use_triton_adamw = True   # False: torch.optim.AdamW (fused on the GPU), copies made in forward
         self.capturable_optimizer = False
         self.load_canonical(init_canonical_weights(config, seed=0))
 
     def refresh_16bit_weights(self, dtype):
-        """Copy every projection weight into its 16-bit buffer in one multi-tensor kernel (dtype None: autocast
-        is off, the projections use their float32 weights). The buffers are allocated on first use and then
-        overwritten in place, so a captured graph keeps writing the same memory.
+        """Make sure every projection has a current 16-bit copy of its weight for this forward pass (dtype None:
+        autocast is off, the projections use their float32 weights). The buffers are allocated on first use and
+        then overwritten in place, so a captured graph keeps writing the same memory.
+
+        With TritonAdamW (configure_optimizer's default) the optimizer writes the copies as it updates the
+        weights, so nothing is copied here once the copies exist, unless the weights changed some other way
+        since (loading weights bumps their version counters; TritonAdamW's writes do not). Otherwise, and with
+        torch's AdamW, every forward pass copies all weights in one multi-tensor kernel.
 
         With a second stream (use_weight_gradient_stream), the copy runs on it, beside the embedding lookup and
         the first norm, which do not need the copies: the returned event marks its end, and the main stream
@@ -384,12 +395,20 @@ class TinyLlama(nn.Module):
         if dtype is None:
             for projection in self.projections:
                 projection.weight16 = None
+            self.sixteen_bit_copies.clear()   # an optimizer step now leaves the copies behind
+            self.copied_versions = None
             return None
         weights = [projection.weight for projection in self.projections]
         if not self.weights16 or self.weights16[0].dtype != dtype or self.weights16[0].device != weights[0].device:
             self.weights16 = [torch.empty_like(w, dtype=dtype) for w in weights]
+            self.copied_versions = None
         for projection, weight16 in zip(self.projections, self.weights16):
             projection.weight16 = weight16
+        self.sixteen_bit_copies.update(zip(weights, self.weights16))
+        versions = [w._version for w in weights]
+        if self.optimizer_writes_copies and versions == self.copied_versions:
+            return None   # the optimizer's last step wrote them
+        self.copied_versions = versions
         if self.weight_grad_stream is None:
             with torch.no_grad():
                 torch._foreach_copy_(self.weights16, weights)
@@ -443,13 +462,18 @@ class TinyLlama(nn.Module):
                                               weight16=self.lm_head.weight16)
 
     def configure_optimizer(self, train):
-        """Fused AdamW on the GPU: one multi-tensor kernel updates every parameter. `capturable` keeps the step
-        counter on the device, which a CUDA/HIP graph replay needs."""
+        """TritonAdamW (kernels/adamw.py): one Triton kernel updates every parameter and writes the 16-bit
+        weight copies. With use_triton_adamw False, torch's AdamW: fused on the GPU (one multi-tensor kernel),
+        `capturable` there to keep the step counter on the device, which a CUDA/HIP graph replay needs.
+        DeepSpeed gets torch's AdamW too: it re-groups the parameters into flat buffers of its own (and, under
+        bf16, keeps the weights themselves in bfloat16), so there are no copies for this optimizer to write."""
+        hyper = dict(lr=train.learning_rate, betas=(0.9, 0.95), weight_decay=train.weight_decay)
+        self.optimizer_writes_copies = self.use_triton_adamw and not train.uses_deepspeed
+        if self.optimizer_writes_copies:
+            return TritonAdamW(self.parameters(), sixteen_bit_copies=self.sixteen_bit_copies, **hyper)
         on_gpu = next(self.parameters()).is_cuda
-        fused = on_gpu and self.use_fused_adamw
-        return torch.optim.AdamW(self.parameters(), lr=train.learning_rate, betas=(0.9, 0.95),
-                                 weight_decay=train.weight_decay, fused=fused or None,
-                                 capturable=on_gpu and self.capturable_optimizer)
+        return torch.optim.AdamW(self.parameters(), fused=on_gpu or None,
+                                 capturable=on_gpu and self.capturable_optimizer, **hyper)
 
     def use_rope_in_attention(self, enabled: bool = True):
         """RoPE as the attention kernel loads q and k (True) or in the QKV GEMM's epilogue (False, the default)."""
@@ -523,6 +547,8 @@ class GraphedStep:
         self.optimizer.zero_grad(set_to_none=True)
         with torch.cuda.graph(self.graph):
             self.static_loss = self._step(self.static_inputs, self.static_targets)
+        if hasattr(self.optimizer, "finish_capture"):   # TritonAdamW: the graph's gradient addresses
+            self.optimizer.finish_capture()
 
     def __call__(self, inputs, targets):
         self.calls += 1
@@ -558,6 +584,9 @@ def add_arguments(group):
     group.add_argument("--rope-in-attention", action="store_true",
                        help="rotate q and k by RoPE as the attention kernel loads them, after a vendor QKV GEMM, "
                             "instead of in the QKV GEMM's epilogue (version 4's first fusion of RoPE; to compare)")
+    group.add_argument("--torch-adamw", action="store_true",
+                       help="update the weights with torch.optim.AdamW(fused=True) and copy the bfloat16 weights "
+                            "in a kernel of their own, instead of version 4's Triton AdamW (to compare)")
     group.add_argument("--graph-warmup-steps", type=int, default=3,
                        help="eager steps before the graph is captured")
 
@@ -584,6 +613,7 @@ def check_arguments(args, device):
 def build_model(config, args):
     model = TinyLlama(config)
     model.capturable_optimizer = bool(args.cuda_graph)
+    model.use_triton_adamw = not args.torch_adamw
     model.use_rope_in_attention(args.rope_in_attention)
     return model
 
@@ -603,8 +633,10 @@ def describe(args) -> dict:
     if interpreter_active():
         step += " (Triton interpreter on the CPU: slow, for correctness)"
     rope = "in the attention kernel, on load" if args.rope_in_attention else "in the QKV GEMM's epilogue"
+    optimizer = "torch AdamW" + (" (fused)" if on_gpu else "") if args.torch_adamw else \
+        "Triton AdamW, writing the 16-bit weight copies"
     return {"step": step, "matmuls": "TF32 tensor cores for float32" if args.tf32 else "exact float32",
-            "RoPE": rope}
+            "RoPE": rope, "optimizer": optimizer}
 
 
 SPEC = VersionSpec(name="v4", title="Triton ultra-fused", build_model=build_model, add_arguments=add_arguments,

@@ -1,0 +1,255 @@
+"""Version 4's TritonAdamW (kernels/adamw.py) against torch.optim.AdamW, and the 16-bit weight copies it writes.
+
+On the CPU the kernel runs in Triton's interpreter, whose float-to-bfloat16 conversion truncates instead of
+rounding to nearest: there the copies are checked to within one bfloat16 step, on the GPU bit for bit."""
+import pytest
+import torch
+
+from tinytransformer.config import ModelConfig, TrainConfig
+from version4_triton_ultra.kernels import adamw
+from version4_triton_ultra.kernels.adamw import TritonAdamW
+
+# A parameter of several programs (BLOCK elements each) with a partial last one, a short one, a matrix.
+SHAPES = [(adamw.BLOCK + 904,), (13,), (64, 48), (3, 5, 7)]
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def make_params(device, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(device)) for shape in SHAPES]
+
+
+def clone_params(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def fresh_gradients(step, params):
+    """Random gradients of the parameters' shapes, a function of `step`."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=generator).to(p.device) for p in params]
+
+
+def set_fresh_gradients(step, *param_lists, skip=()):
+    """The same random gradient for the i-th parameter of every list; new tensors each step, as autograd's
+    are (so the optimizer sees new addresses). Parameters whose index is in `skip` get none."""
+    for index, (grad, *group) in enumerate(zip(fresh_gradients(step, param_lists[0]), *param_lists)):
+        for p in group:
+            p.grad = None if index in skip else grad.clone()
+
+
+def assert_same_training(params, reference, optimizer, reference_optimizer, rtol=1e-5, atol=1e-6):
+    for index, (p, q) in enumerate(zip(params, reference)):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=atol, msg=lambda m: f"param {index}: {m}")
+        got, want = optimizer.state[p], reference_optimizer.state[q]
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got[key], want[key], rtol=rtol, atol=atol,
+                                       msg=lambda m: f"param {index} {key}: {m}")
+        assert float(got["step"]) == float(want["step"])
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_matches_torch_adamw_over_several_steps(tensor_lr, device):
+    params = make_params(device)
+    reference = clone_params(params)
+    lr = torch.tensor(HYPER["lr"], device=device) if tensor_lr else HYPER["lr"]
+    optimizer = TritonAdamW(params, **{**HYPER, "lr": lr})
+    reference_optimizer = torch.optim.AdamW(reference, **HYPER)
+    for step in range(5):
+        # Parameter 1 has no gradient at step 2: it is skipped, and its step count lags, as in torch.
+        set_fresh_gradients(step, params, reference, skip=(1,) if step == 2 else ())
+        optimizer.step()
+        reference_optimizer.step()
+        if tensor_lr:   # a schedule writes the tensor in place between steps; the kernel reads it each time
+            lr.mul_(0.5)
+            for group in reference_optimizer.param_groups:
+                group["lr"] *= 0.5
+    assert_same_training(params, reference, optimizer, reference_optimizer)
+    assert float(optimizer.state[params[1]]["step"]) == 4.0
+
+
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
+def test_writes_the_16bit_copies_of_the_updated_weights(copy_dtype, device):
+    params = make_params(device, seed=3)
+    poisoned = {p: torch.full(p.shape, float("nan"), dtype=copy_dtype, device=device) for p in params[::2]}
+    optimizer = TritonAdamW(params, sixteen_bit_copies=poisoned, **HYPER)
+    set_fresh_gradients(0, params)
+    optimizer.step()
+    for p, copy in poisoned.items():
+        rounded = p.detach().to(copy_dtype)
+        if device.type == "cuda":
+            assert torch.equal(copy, rounded)
+        else:   # the interpreter truncates: less than one unit in the last place of the 16-bit format away
+            weight = p.detach()
+            mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[copy_dtype]
+            ulp = torch.exp2(torch.floor(torch.log2(weight.abs())) - mantissa_bits)
+            assert ((copy.float() - weight).abs() < ulp).all()
+
+
+def test_copies_added_later_are_written_from_then_on(device):
+    """The model fills the copies dict at its first forward pass, after the optimizer was made."""
+    params = make_params(device, seed=4)
+    copies = {}
+    optimizer = TritonAdamW(params, sixteen_bit_copies=copies, **HYPER)
+    set_fresh_gradients(0, params)
+    optimizer.step()
+    copies[params[2]] = torch.zeros(params[2].shape, dtype=torch.bfloat16, device=device)
+    set_fresh_gradients(1, params)
+    optimizer.step()
+    torch.testing.assert_close(copies[params[2]].float(), params[2].detach(), rtol=2 ** -7, atol=0)
+
+
+def test_state_moves_between_this_optimizer_and_torchs(device):
+    """Checkpoints store torch's AdamW state: a run may resume with either optimizer."""
+    params = make_params(device, seed=5)
+    reference = clone_params(params)
+    optimizer = TritonAdamW(params, **HYPER)
+    reference_optimizer = torch.optim.AdamW(reference, **HYPER)
+    for step in range(2):
+        set_fresh_gradients(step, params, reference)
+        optimizer.step()
+        reference_optimizer.step()
+    # Swap: each optimizer continues from the other's state (new state tensors: new addresses), loaded the
+    # way tinytransformer/checkpoint.py does: the state only, with the step counter coming from the CPU.
+    resumed = TritonAdamW(params, **HYPER)
+    load_state_only(resumed, reference_optimizer)
+    resumed_reference = torch.optim.AdamW(reference, **HYPER)
+    load_state_only(resumed_reference, optimizer)
+    for step in range(2, 4):
+        set_fresh_gradients(step, params, reference)
+        resumed.step()
+        resumed_reference.step()
+    assert_same_training(params, reference, resumed, resumed_reference)
+
+
+def load_state_only(target, source):
+    full = target.state_dict()
+    full["state"] = {index: {key: value.cpu() if key == "step" else value for key, value in entry.items()}
+                     for index, entry in source.state_dict()["state"].items()}
+    target.load_state_dict(full)
+
+
+def test_refuses_what_it_cannot_update(device):
+    with pytest.raises(ValueError, match="betas"):
+        TritonAdamW(make_params(device), betas=(1.0, 0.9))
+    half = torch.nn.Parameter(torch.randn(8, device=device).half())
+    half.grad = torch.randn_like(half)
+    with pytest.raises(ValueError, match="float32"):
+        TritonAdamW([half]).step()
+    p = torch.nn.Parameter(torch.randn(8, device=device))
+    p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match="16-bit copy"):
+        TritonAdamW([p], sixteen_bit_copies={p: torch.empty(4, dtype=torch.bfloat16, device=device)}).step()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The model's copies: made in forward unless the optimizer keeps them current
+# ----------------------------------------------------------------------------------------------------------
+def tiny_model():
+    from version4_triton_ultra.tiny_llama_v4 import TinyLlama
+    return TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=1, num_heads=2, intermediate_size=64,
+                                 max_seq_len=16))
+
+
+def test_model_skips_the_copy_while_triton_adamw_keeps_it_current():
+    model = tiny_model()
+    model.configure_optimizer(TrainConfig())
+    assert model.optimizer_writes_copies
+    model.refresh_16bit_weights(torch.bfloat16)
+    first = model.projections[0]
+    first.weight16.zero_()   # stands for "written by the optimizer": a refresh must leave it alone
+    model.refresh_16bit_weights(torch.bfloat16)
+    assert not first.weight16.any()
+    with torch.no_grad():
+        first.weight.add_(1.0)   # changed outside the optimizer (loading weights): copied again
+    model.refresh_16bit_weights(torch.bfloat16)
+    torch.testing.assert_close(first.weight16.float(), first.weight.detach(), rtol=1e-2, atol=1e-2)
+    # A float32 forward pass in between: the optimizer stops writing, so the next 16-bit pass copies.
+    model.refresh_16bit_weights(None)
+    assert model.sixteen_bit_copies == {}
+    first.weight16 = None
+    model.weights16[0].zero_()
+    model.refresh_16bit_weights(torch.bfloat16)
+    assert first.weight16.any()
+
+
+def test_model_copies_every_time_with_torch_adamw():
+    """torch's fused AdamW updates the weights without bumping their version counters: with it the model must
+    copy at every forward pass, whatever the counters say."""
+    model = tiny_model()
+    model.use_triton_adamw = False
+    optimizer = model.configure_optimizer(TrainConfig())
+    assert isinstance(optimizer, torch.optim.AdamW) and not model.optimizer_writes_copies
+    model.refresh_16bit_weights(torch.bfloat16)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    model.refresh_16bit_weights(torch.bfloat16)
+    for projection in model.projections:
+        torch.testing.assert_close(projection.weight16.float(), projection.weight.detach(), rtol=1e-2, atol=1e-2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU: the model's parameters at full size, and inside a captured graph
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_model_parameters_match_torch_fused_adamw_and_copies_are_exact():
+    model = tiny_model_full_size()
+    params = list(model.parameters())
+    reference = clone_params(params)
+    copies = {p: torch.empty_like(p, dtype=torch.bfloat16) for p in params if p.dim() == 2}
+    optimizer = TritonAdamW(params, sixteen_bit_copies=copies, **HYPER)
+    reference_optimizer = torch.optim.AdamW(reference, fused=True, **HYPER)
+    for step in range(3):
+        set_fresh_gradients(step, params, reference)
+        optimizer.step()
+        reference_optimizer.step()
+    assert_same_training(params, reference, optimizer, reference_optimizer)
+    for p, copy in copies.items():
+        assert torch.equal(copy, p.detach().bfloat16())
+
+
+def tiny_model_full_size():
+    from version4_triton_ultra.tiny_llama_v4 import TinyLlama
+    return TinyLlama(ModelConfig()).cuda()
+
+
+@pytest.mark.gpu
+def test_captured_step_uses_the_graphs_gradients():
+    """finish_capture writes the addresses of the gradients the graph allocated: replays update like eager
+    steps given the same gradients."""
+    params = make_params(torch.device("cuda"), seed=7)
+    reference = clone_params(params)
+    optimizer = TritonAdamW(params, **{**HYPER, "lr": torch.tensor(HYPER["lr"], device="cuda")})
+    reference_optimizer = torch.optim.AdamW(reference, **HYPER)
+    source = [torch.zeros_like(p) for p in params]   # the graph's gradients are computed from these
+
+    def step():
+        for p, s in zip(params, source):
+            p.grad = s * 1.0   # a new tensor, allocated inside the graph during capture
+        optimizer.step()
+
+    def next_gradients(index):
+        for s, q, grad in zip(source, reference, fresh_gradients(index, params)):
+            s.copy_(grad)
+            q.grad = grad.clone()
+
+    next_gradients(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()   # the eager step before capture
+    torch.cuda.current_stream().wait_stream(side)
+    reference_optimizer.step()
+    graph = torch.cuda.CUDAGraph()
+    for p in params:
+        p.grad = None
+    with torch.cuda.graph(graph):
+        step()
+    optimizer.finish_capture()
+    for index in range(1, 4):
+        next_gradients(index)
+        graph.replay()
+        reference_optimizer.step()
+    torch.cuda.synchronize()
+    for p, q in zip(params, reference):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)

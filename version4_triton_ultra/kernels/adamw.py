@@ -1,0 +1,231 @@
+"""AdamW for every parameter in one Triton kernel, which also writes the 16-bit weight copies.
+
+Under bfloat16 autocast, version 4's GEMMs multiply with 16-bit copies of the float32 projection weights
+(tiny_llama_v4.Projection). torch.optim.AdamW(fused=True) updates every parameter in one multi-tensor kernel,
+but the copies then need a second pass over the weights before the next forward pass can start: at batch 32 x
+seq 512 on an H100 that copy took ~15 us and the forward pass waited ~16 us for it at the start of every step.
+This optimizer writes each copy in the same pass that updates the weight, from the value still in registers.
+
+The update is torch.optim.AdamW's, element by element (all in float32):
+
+    p        = p - lr * weight_decay * p                              # decoupled weight decay
+    exp_avg    = beta1 * exp_avg    + (1 - beta1) * g
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g * g
+    p        = p - lr / (1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2^step) + eps)
+    copy     = p.to(bfloat16 or float16)                              # only for weights that have a copy
+
+and every parameter's step counter goes up by one, by the last program to finish (so one launch in all).
+
+One launch covers tensors of every shape. Each program updates BLOCK elements of ONE tensor; two small tables,
+made once per set of shapes, say which tensor and which element range each program takes. A third table holds,
+per tensor, the addresses of the weight, its gradient, the two moments, the step counter and the copy (0 for
+none); the kernel turns an address back into a pointer. That is what torch's multi-tensor kernels do too, except
+that they pass the addresses as kernel arguments; a Triton kernel reads them from memory.
+
+Addresses and graph capture. Gradients are new tensors at every eager step, so the address table is rewritten
+(one small host-to-device copy) whenever an address changed. A CUDA/HIP graph replays the kernel with the table
+it was captured with: the gradients the graph allocates during capture must be in it, but a host-to-device copy
+cannot be captured. So under capture `step()` only records the new addresses, and the caller writes them after
+the capture with `finish_capture()` (tiny_llama_v4.GraphedStep does). The graph's gradients keep their
+addresses at every replay, so the table stays right.
+
+State, learning rate, checkpoints: the state of each parameter is torch's (`step`, `exp_avg`, `exp_avg_sq`;
+`step` a float32 tensor on the device, as for torch's capturable AdamW), so checkpoints move between this
+optimizer and torch's. The learning rate may be a float or a 0-dim device tensor (the trainer makes it one for
+a graph-captured step, so that a schedule reaches the replays).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from version4_triton_ultra.kernels.add_rmsnorm import _is_last_to_arrive
+
+# Elements per program, and warps: 4 elements per thread. On an H100, for version 4's 3.1 M parameters, 36.9 us
+# per step with 2.9 M bfloat16 copies written (BLOCK 2048: 40.8 us at best; 4096: 48.3 us; torch's fused AdamW
+# 48.3 us, plus 12.8 us for its separate copy).
+BLOCK = 1024
+NUM_WARPS = 8
+# Rows of the per-tensor address table, in this order.
+ADDRESS_ROWS = ("param", "grad", "exp_avg", "exp_avg_sq", "step", "copy")
+
+
+@triton.jit
+def _adamw_kernel(
+    block_tensor_ptr,    # [programs] int32: the tensor program b updates
+    block_start_ptr,     # [programs] int64: the first element of that tensor it updates
+    numel_ptr,           # [tensors] int64
+    addresses_ptr,       # [len(ADDRESS_ROWS), tensors] int64 addresses; a copy address of 0: no copy
+    ticket_ptr,          # int32 zero: counts the programs that are done (see the end of the kernel)
+    n_tensors, n_programs,
+    lr, lr_ptr,          # the learning rate: the float `lr`, or read from lr_ptr when LR_IN_MEMORY
+    beta1, beta2, eps, weight_decay,
+    LR_IN_MEMORY: tl.constexpr,
+    COPY_DTYPE: tl.constexpr,   # the copies' dtype (all copies share one)
+    BLOCK: tl.constexpr,
+):
+    block = tl.program_id(0)
+    tensor = tl.load(block_tensor_ptr + block)
+    offsets = tl.load(block_start_ptr + block) + tl.arange(0, BLOCK)
+    mask = offsets < tl.load(numel_ptr + tensor)
+
+    param_ptr = tl.load(addresses_ptr + tensor).to(tl.pointer_type(tl.float32))
+    grad_ptr = tl.load(addresses_ptr + n_tensors + tensor).to(tl.pointer_type(tl.float32))
+    exp_avg_ptr = tl.load(addresses_ptr + 2 * n_tensors + tensor).to(tl.pointer_type(tl.float32))
+    exp_avg_sq_ptr = tl.load(addresses_ptr + 3 * n_tensors + tensor).to(tl.pointer_type(tl.float32))
+    step_ptr = tl.load(addresses_ptr + 4 * n_tensors + tensor).to(tl.pointer_type(tl.float32))
+    copy_address = tl.load(addresses_ptr + 5 * n_tensors + tensor)
+
+    if LR_IN_MEMORY:
+        lr = tl.load(lr_ptr)
+    step = tl.load(step_ptr) + 1.0   # this step's number; the counters are advanced at the end
+    # beta^step as exp2(step * log2(beta)): vendor-neutral, and within float32 rounding of pow().
+    bias_correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
+    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
+
+    p = tl.load(param_ptr + offsets, mask=mask)
+    g = tl.load(grad_ptr + offsets, mask=mask)
+    m = tl.load(exp_avg_ptr + offsets, mask=mask)
+    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
+
+    p = p - lr * weight_decay * p
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    p = p - (lr / bias_correction1) * m / (tl.sqrt(v) / bias_correction2_sqrt + eps)
+
+    tl.store(param_ptr + offsets, p, mask=mask)
+    tl.store(exp_avg_ptr + offsets, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
+    if copy_address != 0:
+        tl.store(copy_address.to(tl.pointer_type(COPY_DTYPE)) + offsets, p.to(COPY_DTYPE), mask=mask)
+
+    # Count the step in every tensor's counter. Only once all programs have read them: the last program to
+    # finish does it (torch's AdamW launches a separate kernel for this).
+    if _is_last_to_arrive(ticket_ptr, n_programs):
+        for t in range(0, n_tensors):
+            counter_ptr = tl.load(addresses_ptr + 4 * n_tensors + t).to(tl.pointer_type(tl.float32))
+            tl.store(counter_ptr, tl.load(counter_ptr) + 1.0)
+
+
+_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+class TritonAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's update in one Triton kernel per parameter group, writing 16-bit weight copies too.
+
+    `sixteen_bit_copies` is a dict {parameter: bfloat16 or float16 tensor of its shape} that the model fills
+    (tiny_llama_v4.TinyLlama.refresh_16bit_weights) and may change between steps; after every step each copy
+    in it equals its updated weight, rounded. Parameters and gradients must be contiguous float32 tensors on
+    the GPU (or on the CPU under Triton's interpreter).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 sixteen_bit_copies=None):
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"betas must be in [0, 1): {betas}")
+        if not isinstance(lr, torch.Tensor) and lr < 0.0:
+            raise ValueError(f"lr must be >= 0: {lr}")
+        # capturable: load_state_dict then keeps `step` on the parameter's device (torch's convention), and the
+        # trainer gives this group a tensor learning rate for a graph-captured step.
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True))
+        self.sixteen_bit_copies = {} if sixteen_bit_copies is None else sixteen_bit_copies
+        self._launches = {}   # group index -> (address key, launch tables) of the last step
+        self._pending = {}    # group index -> (address key, addresses) recorded under graph capture
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            states = [self._state_of(p) for p in params]
+            tables = self._tables(index, params, states)
+            self._launch(group, tables)
+        return loss
+
+    def finish_capture(self) -> None:
+        """After a CUDA/HIP graph captured step(): write the addresses the capture recorded (see the module
+        docstring). Call it before the first replay."""
+        for index, (key, addresses) in self._pending.items():
+            tables = self._launches[index][1]
+            tables["addresses"].copy_(addresses)
+            self._launches[index] = (key, tables)
+        self._pending.clear()
+
+    def _state_of(self, param):
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return state
+
+    def _address_columns(self, params, states):
+        columns = []
+        for param, state in zip(params, states):
+            copy = self.sixteen_bit_copies.get(param)
+            tensors = (param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"])
+            for tensor in tensors:
+                if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device != param.device:
+                    raise ValueError("TritonAdamW needs contiguous float32 parameters, gradients and state on "
+                                     "one device")
+            if copy is not None and (copy.shape != param.shape or not copy.is_contiguous()
+                                     or copy.dtype not in _TRITON_DTYPES):
+                raise ValueError("a 16-bit copy must be a contiguous bfloat16/float16 tensor of its "
+                                 "parameter's shape")
+            columns.append([t.data_ptr() for t in tensors] + [copy.data_ptr() if copy is not None else 0])
+        return columns
+
+    def _tables(self, index, params, states):
+        """The launch tables of this group: reused while every address is the same as at the last step."""
+        columns = self._address_columns(params, states)
+        copies = [self.sixteen_bit_copies.get(p) for p in params]
+        copy_dtypes = {c.dtype for c in copies if c is not None}
+        if len(copy_dtypes) > 1:
+            raise ValueError("all 16-bit copies must share one dtype")
+        key = (tuple(map(tuple, columns)), tuple(p.numel() for p in params), tuple(copy_dtypes))
+        cached = self._launches.get(index)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        device = params[0].device
+        addresses = torch.tensor(columns, dtype=torch.int64).t().contiguous()   # [rows, tensors]
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # Same shapes as the eager steps before the capture: reuse their tables; write the addresses later.
+            if cached is None or cached[0][1:] != key[1:]:
+                raise RuntimeError("TritonAdamW: run one eager step with the same parameters before capturing")
+            self._pending[index] = (key, addresses)
+            return cached[1]
+        tables = _block_tables([p.numel() for p in params], device)
+        tables["addresses"] = addresses.to(device)
+        tables["copy_dtype"] = _TRITON_DTYPES[copy_dtypes.pop()] if copy_dtypes else tl.bfloat16
+        self._launches[index] = (key, tables)
+        return tables
+
+    @staticmethod
+    def _launch(group, tables):
+        lr = group["lr"]
+        lr_in_memory = isinstance(lr, torch.Tensor)
+        beta1, beta2 = group["betas"]
+        _adamw_kernel[(tables["programs"],)](
+            tables["block_tensor"], tables["block_start"], tables["numel"], tables["addresses"], tables["ticket"],
+            tables["numel"].numel(), tables["programs"],
+            0.0 if lr_in_memory else float(lr), lr if lr_in_memory else tables["numel"],
+            float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+            LR_IN_MEMORY=lr_in_memory, COPY_DTYPE=tables["copy_dtype"], BLOCK=BLOCK, num_warps=NUM_WARPS)
+
+
+def _block_tables(numels, device) -> dict:
+    """Which tensor and which first element each program takes: ceil(numel / BLOCK) programs per tensor."""
+    block_tensor, block_start = [], []
+    for tensor, numel in enumerate(numels):
+        for start in range(0, numel, BLOCK):
+            block_tensor.append(tensor)
+            block_start.append(start)
+    return {"programs": len(block_tensor),
+            "block_tensor": torch.tensor(block_tensor, dtype=torch.int32, device=device),
+            "block_start": torch.tensor(block_start, dtype=torch.int64, device=device),
+            "numel": torch.tensor(numels, dtype=torch.int64, device=device),
+            "ticket": torch.zeros(1, dtype=torch.int32, device=device)}

@@ -114,9 +114,31 @@ class WeightGradientStream:
             main.wait_event(oldest_done)
             del oldest_grad_y, oldest_x   # only now: later main-stream work may reuse their memory
 
+    def run_after_queued(self, work) -> None:
+        """Call work() on the side stream, ordered after every GEMM queued so far and after everything the main
+        stream has done so far (the optimizer's early update, see TinyLlama.update_during_backward)."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            work()
+
     def join(self) -> None:
         torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
         self.pending.clear()   # safe now: later work on the main stream is ordered after the side stream's
+
+
+class CallDuringBackward(torch.autograd.Function):
+    """Identity on (h, normed) in the forward pass; in the backward pass, calls `callback()` once the gradients
+    of both have arrived, i.e. once everything after this point in the forward pass has had its backward."""
+
+    @staticmethod
+    def forward(ctx, callback, h, normed):
+        ctx.callback = callback
+        return h.view_as(h), normed.view_as(normed)
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_normed):
+        ctx.callback()
+        return None, grad_h, grad_normed
 
 
 class ProjectionMatmul(torch.autograd.Function):
@@ -365,6 +387,7 @@ class TinyLlama(nn.Module):
         self.sixteen_bit_copies = {}   # {weight: its copy} while autocast is on: what TritonAdamW keeps current
         self.optimizer_writes_copies = False   # set by configure_optimizer when it returns a TritonAdamW
         self.copied_versions = None   # the weights' version counters when the copies were last made
+        self.early_update = None   # called during backward once layer 0's is all that is left (GraphedStep)
         self.weight_grad_stream = None   # a WeightGradientStream once use_weight_gradient_stream() is called
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -453,6 +476,8 @@ class TinyLlama(nn.Module):
             is_last = i + 1 == len(self.layers)
             next_weight = self.norm.weight if is_last else self.layers[i + 1].attention_norm.weight
             h, normed = layer(h, normed, cos, sin, next_weight)
+            if i == 0 and not is_last and self.early_update is not None and torch.is_grad_enabled():
+                h, normed = CallDuringBackward.apply(self.early_update, h, normed)
         if targets is None:
             with profile_range("output_head"):
                 return self.lm_head(normed), None
@@ -460,6 +485,17 @@ class TinyLlama(nn.Module):
             # Output head and loss in one chunked op: the [B*S, V] float32 logits are never built.
             return None, linear_cross_entropy(normed, self.lm_head.weight, targets,
                                               weight16=self.lm_head.weight16)
+
+    def parameters_final_before_layer0_backward(self) -> list:
+        """The weights whose gradients are complete once the backward pass reaches layer 0: the projections of
+        layers 1 and up (their weight gradients are queued on the weight-gradient stream by then) and the output
+        head (whose gradient the loss computes in the forward pass). Empty with one layer. The norms' weights
+        are not among them: layer 0's last norm is layer 1's attention norm."""
+        if len(self.layers) < 2:
+            return []
+        later = [p for layer in self.layers[1:] for m in layer.modules() if isinstance(m, Projection)
+                 for p in m.parameters()]
+        return later + [self.lm_head.weight]
 
     def configure_optimizer(self, train):
         """TritonAdamW (kernels/adamw.py): one Triton kernel updates every parameter and writes the 16-bit
@@ -470,7 +506,11 @@ class TinyLlama(nn.Module):
         hyper = dict(lr=train.learning_rate, betas=(0.9, 0.95), weight_decay=train.weight_decay)
         self.optimizer_writes_copies = self.use_triton_adamw and not train.uses_deepspeed
         if self.optimizer_writes_copies:
-            return TritonAdamW(self.parameters(), sixteen_bit_copies=self.sixteen_bit_copies, **hyper)
+            # Two parameter groups: the first can be updated before the backward pass ends (GraphedStep).
+            early = self.parameters_final_before_layer0_backward()
+            rest = [p for p in self.parameters() if all(p is not q for q in early)]
+            groups = [{"params": early}, {"params": rest}] if early else [{"params": rest}]
+            return TritonAdamW(groups, sixteen_bit_copies=self.sixteen_bit_copies, **hyper)
         on_gpu = next(self.parameters()).is_cuda
         return torch.optim.AdamW(self.parameters(), fused=on_gpu or None,
                                  capturable=on_gpu and self.capturable_optimizer, **hyper)
@@ -525,6 +565,15 @@ class GraphedStep:
         self.warmup_steps, self.calls = warmup_steps, 0
         self.graph = None
         self.side_stream = torch.cuda.Stream(device)
+        # With the second stream and TritonAdamW's two groups, the first group (the weights of layers 1 and up,
+        # and the output head) is updated on the second stream while the main stream still runs layer 0's
+        # backward: that part of the optimizer no longer waits for the end of the backward pass.
+        self.updates_early = (weight_gradient_stream and hasattr(optimizer, "step_groups")
+                              and len(optimizer.param_groups) > 1)
+        model.early_update = self._update_first_group if self.updates_early else None
+
+    def _update_first_group(self):
+        self.model.weight_grad_stream.run_after_queued(lambda: self.optimizer.step_groups([0]))
 
     def _step(self, inputs, targets):
         # cache_enabled=False: autocast's weight-cast cache would hold tensors created outside the graph.
@@ -536,7 +585,10 @@ class GraphedStep:
             loss.backward()
             self.model.join_weight_gradients()   # with the second stream: its GEMMs finish before the optimizer
         with profile_range("optimizer"):
-            self.optimizer.step()
+            if self.updates_early:   # the first group was updated during the backward pass
+                self.optimizer.step_groups(range(1, len(self.optimizer.param_groups)))
+            else:
+                self.optimizer.step()
         return loss.detach()
 
     def _capture(self, inputs, targets):

@@ -99,11 +99,13 @@ def _adamw_kernel(
         tl.store(copy_address.to(tl.pointer_type(COPY_DTYPE)) + offsets, p.to(COPY_DTYPE), mask=mask)
 
     # Count the step in every tensor's counter. Only once all programs have read them: the last program to
-    # finish does it (torch's AdamW launches a separate kernel for this).
+    # finish does it (torch's AdamW launches a separate kernel for this). With an atomic add, which one thread
+    # of the program performs: a load and a store would be run by every thread, and a thread that loads after
+    # another one's store would count the step twice.
     if _is_last_to_arrive(ticket_ptr, n_programs):
         for t in range(0, n_tensors):
             counter_ptr = tl.load(addresses_ptr + 4 * n_tensors + t).to(tl.pointer_type(tl.float32))
-            tl.store(counter_ptr, tl.load(counter_ptr) + 1.0)
+            tl.atomic_add(counter_ptr, 1.0, sem="relaxed")
 
 
 _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -137,14 +139,21 @@ class TritonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, group in enumerate(self.param_groups):
+        self.step_groups(range(len(self.param_groups)))
+        return loss
+
+    @torch.no_grad()
+    def step_groups(self, indices) -> None:
+        """Update the parameter groups with these indices only (one launch each): a training step may update
+        the weights whose gradients are complete before the backward pass has ended (tiny_llama_v4.GraphedStep)."""
+        for index in indices:
+            group = self.param_groups[index]
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             states = [self._state_of(p) for p in params]
             tables = self._tables(index, params, states)
             self._launch(group, tables)
-        return loss
 
     def finish_capture(self) -> None:
         """After a CUDA/HIP graph captured step(): write the addresses the capture recorded (see the module

@@ -286,16 +286,16 @@ def test_model_groups_the_weights_complete_before_layer0s_backward():
     assert len(one_layer.configure_optimizer(TrainConfig()).param_groups) == 1
 
 
-def test_the_early_update_runs_once_layer0_is_all_that_is_left():
+def test_the_early_update_runs_once_layer0_is_all_that_is_left(device):
     """CallDuringBackward calls back after layer 1's backward pass (its weights have gradients) and before
     layer 0's (none yet)."""
     from version4_triton_ultra.tiny_llama_v4 import TinyLlama
     model = TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=2, num_heads=2, intermediate_size=64,
-                                  max_seq_len=16))
+                                  max_seq_len=16)).to(device)
     seen = []
     model.early_update = lambda: seen.append((model.layers[1].attention.qkv_proj.weight.grad is not None,
                                               model.layers[0].attention.qkv_proj.weight.grad is not None))
-    ids = torch.randint(0, 64, (2, 8))
+    ids = torch.randint(0, 64, (2, 8), device=device)
     _, loss = model(ids, ids)
     loss.backward()
     assert seen == [(True, False)]

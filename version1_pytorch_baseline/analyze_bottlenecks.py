@@ -54,7 +54,8 @@ REMEDIES = {
                  "it mirrors the forward pass: every forward fusion that comes with its own backward kernel "
                  "(versions 3 and 4) shrinks it too; rank the forward parts to decide which"),
     "optimizer": ("optimizer (AdamW)",
-                  "a fused AdamW, one kernel for all parameters (torch.optim.AdamW(fused=True): version 4), or "
+                  "a fused AdamW, one kernel for all parameters (torch.optim.AdamW(fused=True), or version 4's "
+                  "Triton AdamW, which also writes the bfloat16 weight copies), or "
                   "a captured step (CUDA/HIP graph)"),
     "other": ("outside forward, backward and optimizer", "usually small; check the top operators"),
 }

@@ -29,8 +29,11 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
   9. CUDA/HIP graph: after a few eager warm-up steps, forward + backward + optimizer are captured ONCE and every
      later step is a single graph replay: no Python, no per-kernel launch cost (--no-cuda-graph to compare).
      Inside it, the weight-gradient GEMMs of the backward pass run on a second stream, at the same time as the
-     rest of the backward pass (WeightGradientStream; --no-weight-grad-stream to compare); with --torch-adamw
-     the bfloat16 weight copy runs there beside the embedding lookup and first norm, which do not need it.
+     rest of the backward pass (WeightGradientStream; --no-weight-grad-stream to compare). Once the backward
+     pass reaches layer 0, the later layers' projection weights and the output head have their final gradients:
+     the optimizer updates them there, on the second stream, while layer 0's backward runs (CallDuringBackward);
+     the rest after the backward pass. With --torch-adamw the bfloat16 weight copy runs on the second stream
+     instead, beside the embedding lookup and first norm, which do not need it.
  10. TF32 tensor cores for float32 matmuls (--no-tf32 for exact float32): the same precision Triton already
      uses for float32 tl.dot.
 

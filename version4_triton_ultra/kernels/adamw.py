@@ -40,9 +40,9 @@ import triton.language as tl
 
 from version4_triton_ultra.kernels.add_rmsnorm import _is_last_to_arrive
 
-# Elements per program, and warps: 4 elements per thread. On an H100, for version 4's 3.1 M parameters, 36.9 us
-# per step with 2.9 M bfloat16 copies written (BLOCK 2048: 40.8 us at best; 4096: 48.3 us; torch's fused AdamW
-# 48.3 us, plus 12.8 us for its separate copy).
+# Elements per program, and warps: 4 elements per thread. On an H100, for version 4's 3.1 M parameters, 36.7 us
+# per step with 2.9 M bfloat16 copies written (BLOCK 256 to 1024: 36.6 to 37.3 us; in an earlier sweep 2048:
+# 40.8 us, 4096: 48.3 us at best); torch's fused AdamW 48.2 us, plus 13.4 us for its separate copy.
 BLOCK = 1024
 NUM_WARPS = 8
 # Rows of the per-tensor address table, in this order.

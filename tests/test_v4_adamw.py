@@ -47,13 +47,13 @@ def assert_same_training(params, reference, optimizer, reference_optimizer, rtol
         assert float(got["step"]) == float(want["step"])
 
 
-@pytest.mark.parametrize("tensor_lr", [False, True])
-def test_matches_torch_adamw_over_several_steps(tensor_lr, device):
+@pytest.mark.parametrize("tensor_lr, betas", [(False, (0.9, 0.95)), (True, (0.9, 0.95)), (False, (0.9, 0.999))])
+def test_matches_torch_adamw_over_several_steps(tensor_lr, betas, device):
     params = make_params(device)
     reference = clone_params(params)
     lr = torch.tensor(HYPER["lr"], device=device) if tensor_lr else HYPER["lr"]
-    optimizer = TritonAdamW(params, **{**HYPER, "lr": lr})
-    reference_optimizer = torch.optim.AdamW(reference, **HYPER)
+    optimizer = TritonAdamW(params, **{**HYPER, "lr": lr, "betas": betas})
+    reference_optimizer = torch.optim.AdamW(reference, **{**HYPER, "betas": betas})
     for step in range(5):
         # Parameter 1 has no gradient at step 2: it is skipped, and its step count lags, as in torch.
         set_fresh_gradients(step, params, reference, skip=(1,) if step == 2 else ())
@@ -139,6 +139,13 @@ def test_refuses_what_it_cannot_update(device):
     p.grad = torch.randn_like(p)
     with pytest.raises(ValueError, match="16-bit copy"):
         TritonAdamW([p], sixteen_bit_copies={p: torch.empty(4, dtype=torch.bfloat16, device=device)}).step()
+    q = torch.nn.Parameter(torch.randn(8, device=device))
+    q.grad = torch.randn_like(q)
+    mixed = {p: torch.empty(8, dtype=torch.bfloat16, device=device), q: torch.empty(8, dtype=torch.half, device=device)}
+    with pytest.raises(ValueError, match="share one dtype"):
+        TritonAdamW([p, q], sixteen_bit_copies=mixed).step()
+    with pytest.raises(ValueError, match="0-dim float32"):
+        TritonAdamW([p], lr=torch.tensor([1e-3]))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -170,6 +177,25 @@ def test_model_skips_the_copy_while_triton_adamw_keeps_it_current():
     model.weights16[0].zero_()
     model.refresh_16bit_weights(torch.bfloat16)
     assert first.weight16.any()
+
+
+def test_the_copies_the_model_uses_are_the_ones_triton_adamw_writes(device):
+    """Forward pass (the model makes its copies), optimizer step (TritonAdamW updates weights and copies),
+    next forward pass (the model copies nothing): every projection multiplies with its updated weight."""
+    model = tiny_model().to(device)
+    optimizer = model.configure_optimizer(TrainConfig())
+    model.refresh_16bit_weights(torch.bfloat16)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    before = [projection.weight.detach().clone() for projection in model.projections]
+    optimizer.step()
+    model.refresh_16bit_weights(torch.bfloat16)
+    for projection, old in zip(model.projections, before):
+        weight = projection.weight.detach()
+        assert not torch.equal(weight, old)
+        # Within one bfloat16 step of the updated weight (the interpreter truncates; a GPU rounds to nearest).
+        ulp = torch.exp2(torch.floor(torch.log2(weight.abs())) - 7)
+        assert ((projection.weight16.float() - weight).abs() < ulp).all()
 
 
 def test_model_copies_every_time_with_torch_adamw():
@@ -299,9 +325,20 @@ def test_the_early_update_runs_once_layer0_is_all_that_is_left(device):
     _, loss = model(ids, ids)
     loss.backward()
     assert seen == [(True, False)]
+    # At that moment every weight of the first group had its gradient, and no weight of layer 0 had one.
+    early = model.parameters_final_before_layer0_backward()
+    model.zero_grad(set_to_none=True)
+    seen_grads = []
+    model.early_update = lambda: seen_grads.append(
+        ([p.grad is not None for p in early], [p.grad is not None for p in model.layers[0].parameters()]))
+    _, loss = model(ids, ids)
+    loss.backward()
+    (early_have, layer0_have), = seen_grads
+    assert all(early_have) and not any(layer0_have)
+    model.early_update = None
     with torch.no_grad():   # no backward pass coming: nothing is inserted
         model(ids, ids)
-    assert seen == [(True, False)]
+    assert len(seen_grads) == 1
 
 
 @pytest.mark.gpu
@@ -328,10 +365,32 @@ def test_graphed_step_with_the_early_update_trains_like_the_eager_step(use_amp):
         assert not graphed or step.updates_early
         losses[graphed] = [step(b[:, :-1].contiguous(), b[:, 1:].contiguous()).item() for b in batches]
         weights[graphed] = {name: p.detach().clone() for name, p in model.named_parameters()}
+        # The callback is removed after each graphed step: a later eager step updates every group once.
+        assert model.early_update is None
+        if graphed:
+            model.use_weight_gradient_stream(False)   # an eager step joins no second stream
+            EagerStep(model, optimizer, torch.device("cuda"), train)(batches[0][:, :-1].contiguous(),
+                                                                     batches[0][:, 1:].contiguous())
+            counters = {float(optimizer.state[p]["step"]) for g in optimizer.param_groups for p in g["params"]
+                        if p in optimizer.state}
+            assert counters == {len(batches) + 1.0}
     for g, e in zip(losses[True], losses[False]):
         assert g == pytest.approx(e, rel=1e-3 if use_amp else 1e-4)
     for name, value in weights[True].items():
         torch.testing.assert_close(value, weights[False][name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+def test_capturing_before_any_eager_step_is_refused():
+    params = make_params(torch.device("cuda"))
+    optimizer = TritonAdamW(params, **HYPER)
+    for p in params:   # the state must exist before capture (GraphedStep's warm-up steps make it)
+        optimizer._state_of(p)
+        p.grad = torch.zeros_like(p)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="eager step"):
+        with torch.cuda.graph(graph):
+            optimizer.step()
 
 
 @pytest.mark.gpu

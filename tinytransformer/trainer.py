@@ -92,7 +92,7 @@ def autocast_context(device: torch.device, train: TrainConfig):
 
 
 def default_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; a version may provide `model.configure_optimizer(train)` instead (v4 uses the fused one)."""
+    """AdamW; a version may provide `model.configure_optimizer(train)` instead (v4 uses its Triton AdamW)."""
     if hasattr(model, "configure_optimizer"):
         return model.configure_optimizer(train)
     return torch.optim.AdamW(model.parameters(), lr=train.learning_rate, betas=(0.9, 0.95),

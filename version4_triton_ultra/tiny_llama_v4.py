@@ -119,7 +119,7 @@ class WeightGradientStream:
 
     def run_after_queued(self, work) -> None:
         """Call work() on the side stream, ordered after every GEMM queued so far and after everything the main
-        stream has done so far (the optimizer's early update, see TinyLlama.update_during_backward)."""
+        stream has done so far (the optimizer's early update: GraphedStep._update_first_group)."""
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
             work()
@@ -131,7 +131,9 @@ class WeightGradientStream:
 
 class CallDuringBackward(torch.autograd.Function):
     """Identity on (h, normed) in the forward pass; in the backward pass, calls `callback()` once the gradients
-    of both have arrived, i.e. once everything after this point in the forward pass has had its backward."""
+    of both have arrived, i.e. once the backward of everything after this point in the forward pass has been
+    launched (queued on the GPU, not necessarily finished: the callback must order its own work after it, as
+    WeightGradientStream.run_after_queued does)."""
 
     @staticmethod
     def forward(ctx, callback, h, normed):
@@ -407,9 +409,11 @@ class TinyLlama(nn.Module):
         With TritonAdamW (configure_optimizer's default) the optimizer writes the copies as it updates the
         weights, so nothing is copied here once the copies exist, unless the weights changed some other way
         since (loading weights bumps their version counters; TritonAdamW's writes do not). Otherwise, and with
-        torch's AdamW, every forward pass copies all weights in one multi-tensor kernel.
+        torch's AdamW, every forward pass copies all weights in one multi-tensor kernel. (A captured graph holds
+        the decision made at capture: weights loaded while a TritonAdamW graph is replayed are multiplied with the
+        old copies for one step, until the optimizer writes new ones.)
 
-        With a second stream (use_weight_gradient_stream), the copy runs on it, beside the embedding lookup and
+        When this pass copies and there is a second stream (use_weight_gradient_stream), the copy runs on it, beside the embedding lookup and
         the first norm, which do not need the copies: the returned event marks its end, and the main stream
         must wait for it before the first projection. Else the copy runs on the current stream; returns None.
         Measured on an H100 (batch 32 x seq 512, bfloat16): beside the ~12 us lookup + norm, the copy takes ~25 us,
@@ -573,20 +577,25 @@ class GraphedStep:
         # backward: that part of the optimizer no longer waits for the end of the backward pass.
         self.updates_early = (weight_gradient_stream and hasattr(optimizer, "step_groups")
                               and len(optimizer.param_groups) > 1)
-        model.early_update = self._update_first_group if self.updates_early else None
 
     def _update_first_group(self):
         self.model.weight_grad_stream.run_after_queued(lambda: self.optimizer.step_groups([0]))
 
     def _step(self, inputs, targets):
-        # cache_enabled=False: autocast's weight-cast cache would hold tensors created outside the graph.
-        with torch.autocast("cuda", dtype=self.autocast_dtype or torch.bfloat16,
-                            enabled=self.autocast_dtype is not None, cache_enabled=False):
-            with profile_range("forward"):
-                _, loss = self.model(inputs, targets)
-        with profile_range("backward"):
-            loss.backward()
-            self.model.join_weight_gradients()   # with the second stream: its GEMMs finish before the optimizer
+        # The model calls back during the backward pass of THIS step only: set for the step, then removed, so
+        # that no other backward pass through the model (an eager step, a check) updates the first group.
+        self.model.early_update = self._update_first_group if self.updates_early else None
+        try:
+            # cache_enabled=False: autocast's weight-cast cache would hold tensors created outside the graph.
+            with torch.autocast("cuda", dtype=self.autocast_dtype or torch.bfloat16,
+                                enabled=self.autocast_dtype is not None, cache_enabled=False):
+                with profile_range("forward"):
+                    _, loss = self.model(inputs, targets)
+            with profile_range("backward"):
+                loss.backward()
+                self.model.join_weight_gradients()   # with the second stream: its GEMMs finish before the optimizer
+        finally:
+            self.model.early_update = None
         with profile_range("optimizer"):
             if self.updates_early:   # the first group was updated during the backward pass
                 self.optimizer.step_groups(range(1, len(self.optimizer.param_groups)))
@@ -688,8 +697,13 @@ def describe(args) -> dict:
     if interpreter_active():
         step += " (Triton interpreter on the CPU: slow, for correctness)"
     rope = "in the attention kernel, on load" if args.rope_in_attention else "in the QKV GEMM's epilogue"
-    optimizer = "torch AdamW" + (" (fused)" if on_gpu else "") if args.torch_adamw else \
-        "Triton AdamW, writing the 16-bit weight copies"
+    with_deepspeed = getattr(args, "deepspeed", None) or getattr(args, "deepspeed_config", None)
+    if args.torch_adamw or with_deepspeed:   # DeepSpeed always gets torch's AdamW
+        optimizer = "torch AdamW (fused)" if on_gpu else "torch AdamW"
+    elif getattr(args, "use_amp", False):
+        optimizer = "Triton AdamW, writing the 16-bit weight copies"
+    else:
+        optimizer = "Triton AdamW"
     return {"step": step, "matmuls": "TF32 tensor cores for float32" if args.tf32 else "exact float32",
             "RoPE": rope, "optimizer": optimizer}
 

@@ -14,7 +14,8 @@ The update is torch.optim.AdamW's, element by element (all in float32):
     p        = p - lr / (1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2^step) + eps)
     copy     = p.to(bfloat16 or float16)                              # only for weights that have a copy
 
-and every parameter's step counter goes up by one, by the last program to finish (so one launch in all).
+and every parameter's step counter goes up by one, by the last program to finish (so one launch per parameter
+group, and no separate kernel for the counters).
 
 One launch covers tensors of every shape. Each program updates BLOCK elements of ONE tensor; two small tables,
 made once per set of shapes, say which tensor and which element range each program takes. A third table holds,
@@ -24,15 +25,16 @@ that they pass the addresses as kernel arguments; a Triton kernel reads them fro
 
 Addresses and graph capture. Gradients are new tensors at every eager step, so the address table is rewritten
 (one small host-to-device copy) whenever an address changed. A CUDA/HIP graph replays the kernel with the table
-it was captured with: the gradients the graph allocates during capture must be in it, but a host-to-device copy
-cannot be captured. So under capture `step()` only records the new addresses, and the caller writes them after
+it was captured with: the gradients the graph allocates during capture must be in it, but a copy from pageable
+host memory cannot be captured (one from pinned memory could, and would then run at every replay). So under capture `step()` only records the new addresses, and the caller writes them after
 the capture with `finish_capture()` (tiny_llama_v4.GraphedStep does). The graph's gradients keep their
 addresses at every replay, so the table stays right.
 
 State, learning rate, checkpoints: the state of each parameter is torch's (`step`, `exp_avg`, `exp_avg_sq`;
 `step` a float32 tensor on the device, as for torch's capturable AdamW), so checkpoints move between this
-optimizer and torch's. The learning rate may be a float or a 0-dim device tensor (the trainer makes it one for
-a graph-captured step, so that a schedule reaches the replays).
+optimizer and torch's. The learning rate may be a float or a 0-dim float32 tensor on the parameters' device
+(the trainer makes it one whenever the schedule varies, which a graph-captured step needs: a replay re-reads the
+tensor, while a float would stay what it was at capture).
 """
 import torch
 import triton
@@ -40,7 +42,8 @@ import triton.language as tl
 
 from version4_triton_ultra.kernels.add_rmsnorm import _is_last_to_arrive
 
-# Elements per program, and warps: 4 elements per thread. On an H100, for version 4's 3.1 M parameters, 36.7 us
+# Elements per program, and warps: 4 elements per thread on NVIDIA (32-thread warps), 2 on AMD CDNA (64-thread
+# wavefronts; not tuned there). On an H100, for version 4's 3.1 M parameters, 36.7 us
 # per step with 2.9 M bfloat16 copies written (BLOCK 256 to 1024: 36.6 to 37.3 us; in an earlier sweep 2048:
 # 40.8 us, 4096: 48.3 us at best); torch's fused AdamW 48.2 us, plus 13.4 us for its separate copy.
 BLOCK = 1024
@@ -124,10 +127,12 @@ class TritonAdamW(torch.optim.Optimizer):
                  sixteen_bit_copies=None):
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"betas must be in [0, 1): {betas}")
+        if isinstance(lr, torch.Tensor) and (lr.dim() != 0 or lr.dtype != torch.float32):
+            raise ValueError("a tensor lr must be a 0-dim float32 tensor")
         if not isinstance(lr, torch.Tensor) and lr < 0.0:
             raise ValueError(f"lr must be >= 0: {lr}")
         # capturable: load_state_dict then keeps `step` on the parameter's device (torch's convention), and the
-        # trainer gives this group a tensor learning rate for a graph-captured step.
+        # trainer gives this group a tensor learning rate when the schedule varies (make_learning_rate_a_tensor).
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True))
         self.sixteen_bit_copies = {} if sixteen_bit_copies is None else sixteen_bit_copies
         self._launches = {}   # group index -> (address key, launch tables) of the last step
@@ -177,14 +182,16 @@ class TritonAdamW(torch.optim.Optimizer):
         for param, state in zip(params, states):
             copy = self.sixteen_bit_copies.get(param)
             tensors = (param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"])
-            for tensor in tensors:
+            for row, tensor in zip(ADDRESS_ROWS, tensors):
                 if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device != param.device:
-                    raise ValueError("TritonAdamW needs contiguous float32 parameters, gradients and state on "
-                                     "one device")
+                    raise ValueError(f"TritonAdamW needs contiguous float32 parameters, gradients and state on one "
+                                     f"device; a parameter of shape {tuple(param.shape)} has a {row} of dtype "
+                                     f"{tensor.dtype} on {tensor.device} (version 4's --torch-adamw uses torch's "
+                                     f"AdamW instead)")
             if copy is not None and (copy.shape != param.shape or not copy.is_contiguous()
-                                     or copy.dtype not in _TRITON_DTYPES):
-                raise ValueError("a 16-bit copy must be a contiguous bfloat16/float16 tensor of its "
-                                 "parameter's shape")
+                                     or copy.dtype not in _TRITON_DTYPES or copy.device != param.device):
+                raise ValueError(f"a 16-bit copy must be a contiguous bfloat16/float16 tensor of its parameter's "
+                                 f"shape {tuple(param.shape)} on its device {param.device}")
             columns.append([t.data_ptr() for t in tensors] + [copy.data_ptr() if copy is not None else 0])
         return columns
 
@@ -217,6 +224,8 @@ class TritonAdamW(torch.optim.Optimizer):
     def _launch(group, tables):
         lr = group["lr"]
         lr_in_memory = isinstance(lr, torch.Tensor)
+        if lr_in_memory and (lr.device != tables["numel"].device or lr.dtype != torch.float32):
+            raise ValueError("a tensor lr must be float32 on the parameters' device")
         beta1, beta2 = group["betas"]
         _adamw_kernel[(tables["programs"],)](
             tables["block_tensor"], tables["block_start"], tables["numel"], tables["addresses"], tables["ticket"],

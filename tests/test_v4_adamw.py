@@ -9,6 +9,8 @@ from tinytransformer.config import ModelConfig, TrainConfig
 from version4_triton_ultra.kernels import adamw
 from version4_triton_ultra.kernels.adamw import TritonAdamW
 
+from .v4_training import train_frozen_embedding
+
 # A parameter of several programs (BLOCK elements each) with a partial last one, a short one, a matrix.
 SHAPES = [(adamw.BLOCK + 904,), (13,), (64, 48), (3, 5, 7)]
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -345,36 +347,24 @@ def test_the_early_update_runs_once_layer0_is_all_that_is_left(device):
 @pytest.mark.parametrize("use_amp", [False, True])
 def test_graphed_step_with_the_early_update_trains_like_the_eager_step(use_amp):
     """The graph (second stream, first group updated during backward) against eager steps (one optimizer step
-    after the backward pass): the same losses and, after eight steps, the same weights. The embedding is frozen:
-    its gradient is summed with atomics, in a different order in each run, and Adam's normalised update would
-    turn those last-bit differences into visible ones wherever a gradient is nearly zero."""
+    after the backward pass): the same losses and, after eight steps, the same weights (embedding frozen, see
+    v4_training.py)."""
     from tinytransformer.trainer import EagerStep
-    from version4_triton_ultra.tiny_llama_v4 import GraphedStep, TinyLlama
-    config = ModelConfig(num_layers=3)
-    train = TrainConfig(batch_size=8, seq_len=128, use_amp=use_amp, amp_dtype="bfloat16")
-    torch.manual_seed(0)
-    batches = [torch.randint(0, config.vocab_size, (8, 129), device="cuda") for _ in range(8)]
-    losses, weights = {}, {}
-    for graphed in (True, False):
-        model = TinyLlama(config).cuda()
-        model.capturable_optimizer = True
-        model.embed_tokens.weight.requires_grad_(False)
-        optimizer = model.configure_optimizer(train)
-        step = (GraphedStep(model, optimizer, torch.device("cuda"), train, warmup_steps=2) if graphed
-                else EagerStep(model, optimizer, torch.device("cuda"), train))
-        assert not graphed or step.updates_early
-        losses[graphed] = [step(b[:, :-1].contiguous(), b[:, 1:].contiguous()).item() for b in batches]
-        weights[graphed] = {name: p.detach().clone() for name, p in model.named_parameters()}
-        # The callback is removed after each graphed step: a later eager step updates every group once.
-        assert model.early_update is None
-        if graphed:
-            model.use_weight_gradient_stream(False)   # an eager step joins no second stream
-            EagerStep(model, optimizer, torch.device("cuda"), train)(batches[0][:, :-1].contiguous(),
-                                                                     batches[0][:, 1:].contiguous())
-            counters = {float(optimizer.state[p]["step"]) for g in optimizer.param_groups for p in g["params"]
-                        if p in optimizer.state}
-            assert counters == {len(batches) + 1.0}
-    for g, e in zip(losses[True], losses[False]):
+    runs = {graphed: train_frozen_embedding(graphed, num_layers=3, amp_dtype="bfloat16" if use_amp else None)
+            for graphed in (True, False)}
+    graphed = runs[True]
+    assert graphed.step.updates_early
+    weights = {g: {name: p.detach().clone() for name, p in run.model.named_parameters()} for g, run in runs.items()}
+    # The callback is removed after each graphed step: a later eager step updates every group once.
+    assert graphed.model.early_update is None
+    graphed.model.use_weight_gradient_stream(False)   # an eager step joins no second stream
+    ids = torch.randint(0, graphed.model.config.vocab_size, (8, 129), device="cuda")
+    EagerStep(graphed.model, graphed.optimizer, torch.device("cuda"), graphed.train)(ids[:, :-1].contiguous(),
+                                                                                     ids[:, 1:].contiguous())
+    counters = {float(graphed.optimizer.state[p]["step"]) for g in graphed.optimizer.param_groups
+                for p in g["params"] if p in graphed.optimizer.state}
+    assert counters == {len(graphed.losses) + 1.0}
+    for g, e in zip(runs[True].losses, runs[False].losses):
         assert g == pytest.approx(e, rel=1e-3 if use_amp else 1e-4)
     for name, value in weights[True].items():
         torch.testing.assert_close(value, weights[False][name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
@@ -405,31 +395,12 @@ def test_step_counters_count_every_step_exactly_once():
     assert [float(optimizer.state[p]["step"]) for p in params] == [50.0] * len(params)
 
 
-def train_losses(graphed, use_triton_adamw, amp_dtype, steps=8):
-    """Losses of `steps` training steps of a 2-layer model (embedding frozen: deterministic gradients)."""
-    from tinytransformer.trainer import EagerStep
-    from version4_triton_ultra.tiny_llama_v4 import GraphedStep, TinyLlama
-    config = ModelConfig(num_layers=2)
-    train = TrainConfig(batch_size=8, seq_len=128, use_amp=True, amp_dtype=amp_dtype)
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    batches = [torch.randint(0, config.vocab_size, (8, 129), device="cuda", generator=generator)
-               for _ in range(steps)]
-    model = TinyLlama(config).cuda()
-    model.capturable_optimizer = graphed
-    model.use_triton_adamw = use_triton_adamw
-    model.embed_tokens.weight.requires_grad_(False)
-    optimizer = model.configure_optimizer(train)
-    step = (GraphedStep(model, optimizer, torch.device("cuda"), train, warmup_steps=2) if graphed
-            else EagerStep(model, optimizer, torch.device("cuda"), train))
-    return [step(b[:, :-1].contiguous(), b[:, 1:].contiguous()).item() for b in batches]
-
-
 @pytest.mark.gpu
 def test_graph_with_triton_adamw_trains_like_eager_steps_with_torchs_adamw():
     """A reference that shares no optimizer code: eager steps, torch's fused AdamW, the model's own bfloat16 copy
     every forward pass. Stale copies or a wrong update would move the losses apart within a few steps."""
-    ours = train_losses(graphed=True, use_triton_adamw=True, amp_dtype="bfloat16")
-    reference = train_losses(graphed=False, use_triton_adamw=False, amp_dtype="bfloat16")
+    ours = train_frozen_embedding(graphed=True, amp_dtype="bfloat16").losses
+    reference = train_frozen_embedding(graphed=False, amp_dtype="bfloat16", use_triton_adamw=False).losses
     for got, want in zip(ours, reference):   # H100: 1.2e-5 apart at most; with copies never written, 2.1e-3
         assert got == pytest.approx(want, rel=2e-4)
 
@@ -438,7 +409,7 @@ def test_graph_with_triton_adamw_trains_like_eager_steps_with_torchs_adamw():
 def test_float16_with_the_gradient_scaler_trains_like_torchs_adamw():
     """float16 autocast runs eager steps with a GradScaler: it unscales the gradients, then calls step() or, after
     an overflow, skips it; weights and copies must stay consistent either way."""
-    ours = train_losses(graphed=False, use_triton_adamw=True, amp_dtype="float16")
-    reference = train_losses(graphed=False, use_triton_adamw=False, amp_dtype="float16")
+    ours = train_frozen_embedding(graphed=False, amp_dtype="float16").losses
+    reference = train_frozen_embedding(graphed=False, amp_dtype="float16", use_triton_adamw=False).losses
     for got, want in zip(ours, reference):
         assert got == pytest.approx(want, rel=1e-3)

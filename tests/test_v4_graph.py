@@ -6,6 +6,8 @@ import torch
 
 from version4_triton_ultra.tiny_llama_v4 import main as v4_main
 
+from .v4_training import train_frozen_embedding
+
 
 def losses_of(tmp_path, name, extra):
     path = tmp_path / f"{name}.json"
@@ -97,20 +99,6 @@ def test_weight_gradients_on_a_second_stream_equal_autograds(amp, backward_passe
 def test_graph_with_a_frozen_embedding_trains_like_the_eager_step():
     """The streams are joined by the step itself, so a backward pass that computes no embedding gradient (frozen
     here) still waits for every weight-gradient GEMM before the optimizer, in the graph as in eager mode."""
-    from tinytransformer.config import ModelConfig, TrainConfig
-    from tinytransformer.trainer import EagerStep
-    from version4_triton_ultra.tiny_llama_v4 import GraphedStep, TinyLlama
-    config, train = ModelConfig(num_layers=2), TrainConfig(batch_size=8, seq_len=128)
-    torch.manual_seed(0)
-    batches = [torch.randint(0, config.vocab_size, (8, 129), device="cuda") for _ in range(8)]
-    losses = {}
-    for graphed in (True, False):
-        model = TinyLlama(config).cuda()
-        model.capturable_optimizer = True
-        model.embed_tokens.weight.requires_grad_(False)
-        optimizer = model.configure_optimizer(train)
-        step = (GraphedStep(model, optimizer, torch.device("cuda"), train, warmup_steps=2) if graphed
-                else EagerStep(model, optimizer, torch.device("cuda"), train))
-        losses[graphed] = [step(b[:, :-1].contiguous(), b[:, 1:].contiguous()).item() for b in batches]
+    losses = {graphed: train_frozen_embedding(graphed).losses for graphed in (True, False)}
     for g, e in zip(losses[True], losses[False]):
         assert g == pytest.approx(e, rel=1e-3)

@@ -413,14 +413,14 @@ class TinyLlama(nn.Module):
         the decision made at capture: weights loaded while a TritonAdamW graph is replayed are multiplied with the
         old copies for one step, until the optimizer writes new ones.)
 
-        When this pass copies and there is a second stream (use_weight_gradient_stream), the copy runs on it, beside the embedding lookup and
-        the first norm, which do not need the copies: the returned event marks its end, and the main stream
-        must wait for it before the first projection. Else the copy runs on the current stream; returns None.
-        Measured on an H100 (batch 32 x seq 512, bfloat16): beside the ~12 us lookup + norm, the copy takes ~25 us,
-        and the main stream waits ~16 us for it. Still, the two ways tried to hide the rest made the step slower:
-        one copy kernel per layer, each waited for before its layer (~9 us slower), and a first copy of layer 0's
-        attention weights then one of the others, waited for before layer 0's feed-forward (no more waiting on
-        the main stream, yet ~8 us slower, in three alternating rounds).
+        When this pass copies and there is a second stream (use_weight_gradient_stream), the copy runs on it,
+        beside the embedding lookup and the first norm, which do not need the copies: the returned event marks its
+        end, and the main stream must wait for it before the first projection. Else the copy runs on the current
+        stream; returns None. Measured on an H100 (batch 32 x seq 512, bfloat16): beside the ~12 us lookup + norm,
+        the copy takes ~25 us, and the main stream waits ~16 us for it. Still, the two ways tried to hide the rest
+        made the step slower: one copy kernel per layer, each waited for before its layer (~9 us slower), and a
+        first copy of layer 0's attention weights then one of the others, waited for before layer 0's feed-forward
+        (no more waiting on the main stream, yet ~8 us slower, in three alternating rounds).
         """
         if dtype is None:
             for projection in self.projections:
@@ -515,7 +515,8 @@ class TinyLlama(nn.Module):
         if self.optimizer_writes_copies:
             # Two parameter groups: the first can be updated before the backward pass ends (GraphedStep).
             early = self.parameters_final_before_layer0_backward()
-            rest = [p for p in self.parameters() if all(p is not q for q in early)]
+            early_ids = {id(p) for p in early}
+            rest = [p for p in self.parameters() if id(p) not in early_ids]
             groups = [{"params": early}, {"params": rest}] if early else [{"params": rest}]
             return TritonAdamW(groups, sixteen_bit_copies=self.sixteen_bit_copies, **hyper)
         on_gpu = next(self.parameters()).is_cuda

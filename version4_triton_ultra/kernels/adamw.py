@@ -26,9 +26,10 @@ that they pass the addresses as kernel arguments; a Triton kernel reads them fro
 Addresses and graph capture. Gradients are new tensors at every eager step, so the address table is rewritten
 (one small host-to-device copy) whenever an address changed. A CUDA/HIP graph replays the kernel with the table
 it was captured with: the gradients the graph allocates during capture must be in it, but a copy from pageable
-host memory cannot be captured (one from pinned memory could, and would then run at every replay). So under capture `step()` only records the new addresses, and the caller writes them after
-the capture with `finish_capture()` (tiny_llama_v4.GraphedStep does). The graph's gradients keep their
-addresses at every replay, so the table stays right.
+host memory cannot be captured (one from pinned memory could, and would then run at every replay). So under
+capture `step()` only records the new addresses, and the caller writes them after the capture with
+`finish_capture()` (tiny_llama_v4.GraphedStep does). The graph's gradients keep their addresses at every replay,
+so the table stays right.
 
 State, learning rate, checkpoints: the state of each parameter is torch's (`step`, `exp_avg`, `exp_avg_sq`;
 `step` a float32 tensor on the device, as for torch's capturable AdamW), so checkpoints move between this

@@ -35,6 +35,7 @@ enable_interpreter_if_no_gpu()  # before anything imports triton: without a GPU,
 import torch  # noqa: E402
 
 from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402
+from tinytransformer.precision import set_tf32  # noqa: E402
 from tinytransformer.equivalence import (canonical, forward_backward, load_version, random_batch,  # noqa: E402
                                          relative_errors, version_name)
 
@@ -152,8 +153,7 @@ def main(argv=None) -> int:
         return 2
     if device.type == "cuda":
         # Global switches, read by every GEMM of both versions: set once, before either model runs.
-        torch.backends.cuda.matmul.allow_tf32 = not exact
-        torch.backends.cudnn.allow_tf32 = not exact
+        set_tf32(not exact)
 
     weights = canonical(config, seed=args.seed)
     inputs, targets = random_batch(config, batch, seq, device, seed=args.seed + 1)

@@ -15,6 +15,8 @@ enable_interpreter_if_no_gpu()
 
 import torch  # noqa: E402
 
+from tinytransformer.precision import restore_state, saved_state  # noqa: E402
+
 HAS_GPU = torch.cuda.is_available()
 
 
@@ -53,6 +55,6 @@ def restore_tf32_switches():
     """Each test starts and ends with the same TF32 settings. The training scripts switch TF32 on for their whole
     process (version 4's --tf32 default); run inside pytest, that would leak into the float32 kernel tests that
     follow, whose tolerances assume IEEE float32 matmuls."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    state = saved_state()
     yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    restore_state(state)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tinytransformer import kernel_bench as kb
+from tinytransformer.precision import tf32_enabled, tf32_setting
 from version3_triton import run_triton_profiling as v3
 from version4_triton_ultra import run_kernel_benchmarks as v4
 
@@ -101,16 +102,16 @@ def test_the_check_runs_torch_matmuls_in_float32_whatever_the_process_chose(monk
     seen = []
 
     def recording(x, weight):
-        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        seen.append(tf32_enabled())
         return kb.torch_rms_norm(x, weight, v3.EPS)
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     monkeypatch.setattr(kb, "timing_available", lambda: False)   # the check only: timing keeps the setting
     ops = [dataclasses.replace(v3.RMSNORM, triton=recording)]
-    code = kb.main(ops, prog="bench", description="", argv=["--check", "--output-json", str(tmp_path / "o.json"),
-                                                              *TINY])
-    assert code == 0 and seen and not any(seen)
-    assert torch.backends.cuda.matmul.allow_tf32
+    with tf32_setting(True):   # put back by the block (and by conftest's fixture), not by monkeypatch
+        code = kb.main(ops, prog="bench", description="", argv=["--check", "--output-json", str(tmp_path / "o.json"),
+                                                                  *TINY])
+        assert code == 0 and seen and not any(seen)
+        assert tf32_enabled()
 
 
 def test_relative_error_never_passes_nan_or_a_wrong_shape():

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tinytransformer.config import ModelConfig
+from tinytransformer.precision import set_tf32
 from tinytransformer.trainer import EagerStep
 
 from .equivalence import canonical, compare, forward_backward, random_batch, rel_err
@@ -395,7 +396,7 @@ def test_stage_kernels_in_bfloat16_on_gpu(nan_buffers):
 @pytest.mark.parametrize("autocast_dtype, tolerance", [(None, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("stage", [2, 4])
 def test_stage_model_matches_version3_on_gpu(stage, autocast_dtype, tolerance):
-    torch.backends.cuda.matmul.allow_tf32 = False
+    set_tf32(False)
     weights = canonical(SMALL, seed=1)
     inputs, targets = random_batch(SMALL, batch=2, seq=37, device="cuda", seed=2)
     models = [tiny_llama_v3.TinyLlama(SMALL).cuda(), stages.build_model(stage, SMALL).cuda()]
@@ -446,7 +447,7 @@ def test_naive_matmul_is_much_slower_than_blas():
 @pytest.mark.gpu
 def test_stage3_timer_disagrees_with_device_events_on_gpu():
     """A GPU-bound step (big matrices, few kernels): the host clock sees the queueing, the events the work."""
-    torch.backends.cuda.matmul.allow_tf32 = False
+    set_tf32(False)
     config = ModelConfig(vocab_size=32000, hidden_dim=2048, num_layers=2, num_heads=16, intermediate_size=5632,
                          max_seq_len=1024)
     model = tiny_llama_v3.TinyLlama(config).cuda()

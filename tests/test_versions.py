@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tinytransformer.config import ModelConfig
+from tinytransformer.precision import set_tf32, tf32_enabled, tf32_setting
 from tinytransformer.triton_support import interpreter_active
 
 from .equivalence import canonical, compare, forward_backward, random_batch
@@ -85,13 +86,12 @@ def test_canonical_weights_round_trip(version):
 @pytest.fixture(autouse=True)
 def restore_tf32_setting():
     """gpu_model() switches TF32 matmuls globally: put the setting back so later tests see the default."""
-    saved = torch.backends.cuda.matmul.allow_tf32
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
+    with tf32_setting(tf32_enabled()):
+        yield
 
 
 def gpu_model(version, config, exact_float32):
-    torch.backends.cuda.matmul.allow_tf32 = not exact_float32   # v4's command line turns TF32 GEMMs on
+    set_tf32(not exact_float32)   # v4's command line turns TF32 GEMMs on
     model = model_class(version)(config).cuda()
     if hasattr(model, "use_exact_float32"):
         model.use_exact_float32(exact_float32)

@@ -69,6 +69,7 @@ import torch
 from .cli import EXIT_BAD_INPUT, OneLineParser, positive_int
 from .config import ConfigError
 from .device import describe, peak_bandwidth_tbs
+from .precision import exact_float32_matmuls, tf32_enabled
 from .triton_support import interpreter_active, is_rocm
 
 WARMUP_MS = 25          # do_bench: milliseconds of untimed calls before timing
@@ -274,12 +275,8 @@ def float32_torch_matmuls():
     call torch matmuls, such as the chunked output head) would otherwise follow a process-wide TF32 switch that
     someone else turned on (version 4's --tf32 does, for its own run).
     """
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with exact_float32_matmuls():
         yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def check_op(op: OpBench, shape: BenchShape, device: torch.device) -> list[dict]:
@@ -468,8 +465,8 @@ def footnote(ops: list[OpBench], shape: BenchShape, device_name: str, set_counts
     if shape.dtype == torch.float32 and any(op.tf32_dots for op in ops):
         lines.append(paragraph(
             "float32: Triton's flash attention multiplies through TF32 tensor cores on NVIDIA (as in versions 3 "
-            "and 4); the PyTorch matmuls keep torch's setting (torch.backends.cuda.matmul.allow_tf32 = "
-            f"{torch.backends.cuda.matmul.allow_tf32}). Compare float16/bfloat16 for equal matmul precision."))
+            "and 4); the PyTorch matmuls keep torch's setting (TF32 "
+            f"{'on' if tf32_enabled() else 'off'}). Compare float16/bfloat16 for equal matmul precision."))
     largest = max(op.bytes_moved(shape, d) for op in ops for d in op.directions)
     if largest < SMALL_OP_BYTES:
         lines.append(paragraph(
@@ -596,7 +593,7 @@ def run_timings(ops: list[OpBench], shape: BenchShape, device: torch.device, rep
     report.update(triton_version=triton.__version__, l2_cache_bytes=l2_cache_bytes(device),
                   peak_bandwidth_gbps=peak * 1000 if peak else None,
                   do_bench=dict(warmup_ms=WARMUP_MS, rep_ms=REP_MS, return_mode="median"),
-                  torch_matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32)
+                  torch_matmul_allow_tf32=tf32_enabled())
     print(f"Timing on {info['name']} ({info['backend']}, torch {info['torch_version']}, triton "
           f"{triton.__version__}), {shape.describe()}")
     set_counts = {}

@@ -34,6 +34,7 @@ from . import flops as flops_mod
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import BatchStream, build_corpora
 from .device import describe, peak_memory_mb, peak_tflops, reset_peak_memory, resolve_device, synchronize
+from .precision import tf32_enabled
 from .profiling import DeepSpeedFlopsSession, PyTorchProfilerSession, profile_range
 from .weights import init_canonical_weights, parameter_count
 
@@ -650,7 +651,7 @@ class Trainer:
         samples_per_s = self.global_batch / median_s if median_s else None
         info = describe(self.device)
         precision = train.amp_dtype if train.use_amp else "float32"
-        peak = peak_tflops(info.name, precision, tf32=torch.backends.cuda.matmul.allow_tf32) if self.device.type == "cuda" else None
+        peak = peak_tflops(info.name, precision, tf32=tf32_enabled()) if self.device.type == "cuda" else None
         finite = [v for v in loss_values if math.isfinite(v)]
         return {
             "schema_version": 1,

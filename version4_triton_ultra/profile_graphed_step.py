@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from tinytransformer.cli import OneLineParser, positive_int  # noqa: E402
 from tinytransformer.config import ModelConfig, TrainConfig  # noqa: E402
+from tinytransformer.precision import set_tf32  # noqa: E402
 
 
 # Kernel families, by kernel name; the first pattern that matches names the family. The vendor libraries' GEMM
@@ -93,7 +94,7 @@ def parse_args(argv):
 def build_step(args):
     """The model, its optimizer and version 4's GraphedStep, as the training script builds them."""
     from version4_triton_ultra import tiny_llama_v4 as v4
-    torch.backends.cuda.matmul.allow_tf32 = True    # the training script's default (--tf32)
+    set_tf32(True)    # the training script's default (--tf32)
     config = ModelConfig(max_seq_len=max(args.seq_len, ModelConfig().max_seq_len))
     train = TrainConfig(batch_size=args.batch_size, seq_len=args.seq_len, use_amp=args.use_amp,
                         amp_dtype="bfloat16")

@@ -54,6 +54,7 @@ enable_interpreter_if_no_gpu()  # must precede the first `import triton` (inside
 
 from tinytransformer.cli import VersionSpec, run  # noqa: E402
 from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402
+from tinytransformer.precision import set_tf32  # noqa: E402
 from tinytransformer.profiling import profile_range  # noqa: E402
 from tinytransformer.trainer import EagerStep  # noqa: E402
 from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
@@ -671,8 +672,7 @@ def check_arguments(args, device):
     if args.graph_warmup_steps < 1:
         raise ConfigError("--graph-warmup-steps must be at least 1 (the optimizer state must exist before capture)")
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = args.tf32
-        torch.backends.cudnn.allow_tf32 = args.tf32
+        set_tf32(args.tf32)
 
 
 def build_model(config, args):

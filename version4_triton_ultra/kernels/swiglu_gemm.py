@@ -19,9 +19,8 @@ formulas are the SwiGLU kernels' (../../version3_triton/kernels/swiglu.py), in f
 rounded to the storage dtype first, as when a GEMM had written them to memory.
 
 These are ordinary Triton GEMMs: a program owns a BLOCK_M x BLOCK_N output tile and loops over the inner
-dimension BLOCK_K at a time with tl.dot (tensor cores; float32 inputs in TF32 when torch's
-`torch.backends.cuda.matmul.allow_tf32` is on, as for cuBLAS, else exact float32). The vendor BLAS stays in
-charge of every other GEMM of the model. Offsets into the activations are int64; into the weights int32, which
+dimension BLOCK_K at a time with tl.dot (tensor cores; float32 inputs in TF32 when torch's TF32 switch
+(`tinytransformer.precision`) is on, as for cuBLAS, else exact float32). The vendor BLAS stays in charge of every other GEMM of the model. Offsets into the activations are int64; into the weights int32, which
 holds for weights of up to 2**31 elements.
 """
 import torch
@@ -29,6 +28,7 @@ import triton
 import triton.language as tl
 
 from tinytransformer.triton_support import interpreter_active, is_rocm
+from tinytransformer.precision import tf32_enabled
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -142,7 +142,7 @@ def _launch_config(dtype: torch.dtype, n_rows: int, kernel: str) -> dict:
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input_precision: float32 follows torch's TF32 switch for matmuls (the switch cuBLAS obeys);
     AMD accepts "tf32" only on some chips, so exact float32 there."""
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not is_rocm():
+    if dtype == torch.float32 and tf32_enabled() and not is_rocm():
         return "tf32"
     return "ieee"
 

@@ -1,0 +1,105 @@
+"""tinytransformer/precision.py: one TF32 switch over PyTorch's two APIs, each simulated by a stand-in.
+
+The stand-ins behave like the real modules: the old API is two booleans; the new one is a string per backend
+("ieee" | "tf32" | "none" = follow the global setting), and the old one is absent. The last test runs the real
+torch of this machine, whichever API it has.
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tinytransformer import precision
+
+
+class LegacyMatmul:
+    """torch <= 2.8: `allow_tf32` only; asking for `fp32_precision` is an AttributeError, as there."""
+
+    def __init__(self):
+        self.allow_tf32 = False
+
+    def __getattr__(self, name):
+        raise AttributeError("Unknown attribute " + name)
+
+
+class NewMatmul:
+    """torch >= 2.9: `fp32_precision`; reading the old name after using the new one is an error there."""
+
+    def __init__(self):
+        self.fp32_precision = "none"
+
+    @property
+    def allow_tf32(self):
+        raise RuntimeError("mix of the legacy and new APIs")
+
+
+def legacy_backends():
+    return SimpleNamespace(cuda=SimpleNamespace(matmul=LegacyMatmul()), cudnn=SimpleNamespace(allow_tf32=True))
+
+
+def new_backends(global_precision="none"):
+    return SimpleNamespace(cuda=SimpleNamespace(matmul=NewMatmul()),
+                           cudnn=SimpleNamespace(conv=SimpleNamespace(fp32_precision="tf32")),
+                           fp32_precision=global_precision)
+
+
+def test_the_api_is_recognised():
+    assert not precision.has_fp32_precision_api(legacy_backends())
+    assert precision.has_fp32_precision_api(new_backends())
+
+
+@pytest.mark.parametrize("make", [legacy_backends, new_backends], ids=["legacy", "fp32_precision"])
+def test_set_and_read_back(make):
+    backends = make()
+    assert not precision.tf32_enabled(backends)
+    precision.set_tf32(True, backends)
+    assert precision.tf32_enabled(backends)
+    precision.set_tf32(False, backends)
+    assert not precision.tf32_enabled(backends)
+
+
+def test_the_new_api_sets_both_backends_and_never_touches_the_old_names():
+    backends = new_backends()
+    precision.set_tf32(True, backends)
+    assert backends.cuda.matmul.fp32_precision == "tf32" and backends.cudnn.conv.fp32_precision == "tf32"
+    precision.set_tf32(False, backends)   # NewMatmul.allow_tf32 would raise if it were read
+    assert backends.cuda.matmul.fp32_precision == "ieee" and backends.cudnn.conv.fp32_precision == "ieee"
+
+
+def test_the_legacy_api_sets_both_backends():
+    backends = legacy_backends()
+    precision.set_tf32(True, backends)
+    assert backends.cuda.matmul.allow_tf32 and backends.cudnn.allow_tf32
+    precision.set_tf32(False, backends)
+    assert not backends.cuda.matmul.allow_tf32 and not backends.cudnn.allow_tf32
+
+
+@pytest.mark.parametrize("global_precision, expected", [("none", False), ("ieee", False), ("tf32", True)])
+def test_none_follows_the_global_setting(global_precision, expected):
+    assert precision.tf32_enabled(new_backends(global_precision)) is expected
+
+
+@pytest.mark.parametrize("make", [legacy_backends, new_backends], ids=["legacy", "fp32_precision"])
+def test_the_block_restores_the_exact_settings_even_after_an_error(make):
+    backends = make()
+    before = precision.saved_state(backends)
+    with pytest.raises(ZeroDivisionError):
+        with precision.tf32_setting(True, backends):
+            assert precision.tf32_enabled(backends)
+            1 / 0
+    assert precision.saved_state(backends) == before
+    with precision.exact_float32_matmuls(backends):
+        assert not precision.tf32_enabled(backends)
+    assert precision.saved_state(backends) == before
+
+
+def test_this_machines_torch():
+    before = precision.saved_state()
+    with precision.tf32_setting(True):
+        assert precision.tf32_enabled()
+        with precision.exact_float32_matmuls():
+            assert not precision.tf32_enabled()
+        assert precision.tf32_enabled()
+    assert precision.saved_state() == before
+    if precision.has_fp32_precision_api():
+        assert torch.backends.cuda.matmul.fp32_precision == before[1]

@@ -1,0 +1,95 @@
+"""One switch for TF32: may float32 matrix multiplies use the tensor cores' TF32 mode?
+
+PyTorch has had two APIs for this switch:
+- up to 2.8: `torch.backends.cuda.matmul.allow_tf32` and `torch.backends.cudnn.allow_tf32` (booleans);
+- from 2.9: `fp32_precision` = "ieee" | "tf32" | "none" on `torch.backends.cuda.matmul` and on
+  `torch.backends.cudnn.conv` ("none": follow the global `torch.backends.fp32_precision`). The old names are
+  deprecated there, and a process that mixes the two APIs gets an error when it reads the old one.
+
+Everything in the workshop reads and sets TF32 through this module, which uses the new API wherever the
+installed torch has it and the old one otherwise: one API per process, never a mix. Each function takes an
+optional `backends` object (default: `torch.backends`) so that tests can hand in a stand-in of either API.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def _backends(backends=None):
+    return torch.backends if backends is None else backends
+
+
+def has_fp32_precision_api(backends=None) -> bool:
+    """True when this torch has the `fp32_precision` switches (torch 2.9 and later)."""
+    try:
+        getattr(_backends(backends).cuda.matmul, "fp32_precision")
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _resolve(setting: str, parent: str | None) -> str:
+    """'none' means: inherit the parent's setting (itself 'none' = IEEE float32)."""
+    return parent if setting == "none" and parent is not None else setting
+
+
+def tf32_enabled(backends=None) -> bool:
+    """Do float32 matmuls (cuBLAS / hipBLASLt, and the Triton GEMMs that follow the same switch) use TF32?"""
+    b = _backends(backends)
+    if has_fp32_precision_api(b):
+        return _resolve(b.cuda.matmul.fp32_precision, getattr(b, "fp32_precision", None)) == "tf32"
+    return bool(b.cuda.matmul.allow_tf32)
+
+
+def set_tf32(enabled: bool, backends=None) -> None:
+    """Switch TF32 on or off for float32 matmuls and cuDNN convolutions, in this whole process."""
+    b = _backends(backends)
+    if has_fp32_precision_api(b):
+        value = "tf32" if enabled else "ieee"
+        b.cuda.matmul.fp32_precision = value
+        conv = getattr(b.cudnn, "conv", None)
+        if conv is not None:
+            conv.fp32_precision = value
+    else:
+        b.cuda.matmul.allow_tf32 = bool(enabled)
+        b.cudnn.allow_tf32 = bool(enabled)
+
+
+def saved_state(backends=None) -> tuple:
+    """The exact current settings (whichever API), to put back with restore_state()."""
+    b = _backends(backends)
+    if has_fp32_precision_api(b):
+        conv = getattr(b.cudnn, "conv", None)
+        return ("fp32_precision", b.cuda.matmul.fp32_precision, conv.fp32_precision if conv is not None else None)
+    return ("allow_tf32", bool(b.cuda.matmul.allow_tf32), bool(b.cudnn.allow_tf32))
+
+
+def restore_state(state: tuple, backends=None) -> None:
+    b = _backends(backends)
+    api, matmul, cudnn = state
+    if api == "fp32_precision":
+        b.cuda.matmul.fp32_precision = matmul
+        if cudnn is not None:
+            b.cudnn.conv.fp32_precision = cudnn
+    else:
+        b.cuda.matmul.allow_tf32 = matmul
+        b.cudnn.allow_tf32 = cudnn
+
+
+@contextlib.contextmanager
+def tf32_setting(enabled: bool, backends=None):
+    """TF32 on or off inside the block, then exactly the settings as they were."""
+    state = saved_state(backends)
+    set_tf32(enabled, backends)
+    try:
+        yield
+    finally:
+        restore_state(state, backends)
+
+
+def exact_float32_matmuls(backends=None):
+    """IEEE float32 matmuls inside the block (a float32 correctness check must not follow a TF32 switch that
+    another part of the process turned on), then the settings as they were."""
+    return tf32_setting(False, backends)

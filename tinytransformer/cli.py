@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -54,6 +55,23 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n" if is_main_process() else None)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help that shows each default once. The harness's flags default to None (so that a flag given can be told
+    from one left out) and write their real default into the help text as [value]; argparse's
+    ArgumentDefaultsHelpFormatter would add "(default: None)" to each of them. This one adds "(default: X)" only
+    where the help text does not state the default already, and never for None, for on/off switches or for
+    suppressed defaults."""
+
+    STATES_DEFAULT = re.compile(r"\[[^\]]*\]\s*$|\(default|%\(default\)", re.IGNORECASE)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default is None or action.default is argparse.SUPPRESS or action.nargs == 0
+                or self.STATES_DEFAULT.search(text)):
+            return text
+        return super()._get_help_string(action)
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -87,7 +105,7 @@ def positive_float(text: str) -> float:
 def build_parser(spec: VersionSpec, prog: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog=prog, description=f"TinyLlama {spec.name} ({spec.title}): train, time and profile.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     # Defaults are None here so that we can tell "not given" from "given"; the real defaults are the
     # dataclass fields (shown in the help text), overridden by --config/--preset, then by the flags.
     model = parser.add_argument_group("model size (defaults: the seed config)")

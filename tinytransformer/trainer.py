@@ -227,6 +227,8 @@ class Trainer:
         self.out = out if out is not None else sys.stdout   # looked up now, so that tests can capture it
         self.argv = list(sys.argv[1:] if argv is None else argv)   # to print the command that resumes the run
         self.device = resolve_device(train.device)
+        # Before anything imports DeepSpeed (--deepspeed, --validate-setup, the FLOPS profiles): no guess, no warning.
+        distributed.choose_deepspeed_accelerator(self.device)
         if train.use_amp and self.device.type == "cpu" and train.amp_dtype == "float16":
             raise ConfigError("--use-amp with --amp-dtype float16 is not supported on the CPU; "
                               "use --amp-dtype bfloat16 or a GPU")

@@ -107,11 +107,15 @@ class DistributedContext:
 
     def max_over_ranks(self, value: int) -> int:
         """The largest of the ranks' integers, on every rank (e.g. a signal number that reached only some)."""
+        return self.max_over_ranks_each([value])[0]
+
+    def max_over_ranks_each(self, values: list[int]) -> list[int]:
+        """max_over_ranks of several integers at once: one all-reduce, one synchronisation."""
         if not self.enabled:
-            return value
-        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return int(tensor.item())
+        return [int(v) for v in tensor.tolist()]
 
     def check_same(self, value: int, what: str, hint: str = "") -> None:
         """Raise ConfigError on every rank if the ranks disagree on an integer (e.g. the step a resume starts at)."""

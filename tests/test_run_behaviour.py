@@ -337,7 +337,7 @@ def test_heartbeat_speaks_only_while_something_runs_longer_than_the_interval():
         progress.begin("step      2/9")
         time.sleep(0.3)
         progress.end()
-    assert 2 <= len(lines) <= 5, lines
+    assert 1 <= len(lines) <= 5, lines   # ~3; fewer only if this thread is starved on a loaded machine
     assert lines[0].startswith("step      1/9 | still running, ") and "one-time set-up" in lines[0]
     assert all("one-time" not in line for line in lines[1:])   # said once
 
@@ -346,9 +346,9 @@ def test_heartbeat_is_quiet_on_a_fast_run_without_lines():
     """Many short steps and no line for several intervals (a large --log-every): the step lines by time are the
     trainer's job; the heartbeat speaks only of a single step that has run for a whole interval."""
     lines = []
-    progress = Progress(lines.append, interval_s=0.1)
+    progress = Progress(lines.append, interval_s=0.3)
     with progress.heartbeat():
-        deadline = time.monotonic() + 0.6
+        deadline = time.monotonic() + 1.2
         while time.monotonic() < deadline:
             progress.begin("step")
             time.sleep(0.002)

@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # the repository root: the shared harness
 
 from tinytransformer.checkpoint import CheckpointError, list_checkpoints, read_checkpoint  # noqa: E402
-from tinytransformer.cli import EXIT_BAD_INPUT, OneLineParser, non_negative_int, positive_int  # noqa: E402
+from tinytransformer.cli import (EXIT_BAD_INPUT, HelpFormatter, OneLineParser, non_negative_int,  # noqa: E402
+                                 positive_int)
 from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402
 from tinytransformer.device import resolve_device  # noqa: E402
 
@@ -46,7 +47,7 @@ def non_negative_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(description="Print text (or token ids) sampled from a TinyLlama checkpoint.",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True,
                         help="a checkpoint file written by any version, or a --checkpoint-dir (its newest valid "
                              "checkpoint)")

@@ -18,9 +18,10 @@ strings), so it is read with `torch.load(weights_only=True)`, which cannot run c
 
 Because weights and optimizer state are canonical, a checkpoint written by version 1 resumes in version 4 and
 back. Writing is atomic (temporary file, fsync, rename): a kill during a write leaves the previous checkpoint
-intact. Reading checks the zip archive's CRC-32s (a flipped bit in the weights is caught, not trained on) and
-every field's type and shape. Only rank 0 writes under data parallel. Run ONE training run per checkpoint
-directory.
+intact, and its temporary file is removed at once (Ctrl-C) or at the next start of a run that writes checkpoints
+there (SIGKILL). Reading checks the zip archive's CRC-32s (a flipped bit in the weights is caught, not trained
+on) and every field's type and shape. Only rank 0 writes under data parallel. Run ONE training run per
+checkpoint directory.
 """
 from __future__ import annotations
 
@@ -30,8 +31,6 @@ import os
 import platform
 import random
 import re
-import signal
-import threading
 import warnings
 import zipfile
 from pathlib import Path
@@ -126,15 +125,27 @@ def save_atomically(payload: dict, path: str | Path) -> Path:
     return path
 
 
+def remove_temporary_files(directory: str | Path) -> list[Path]:
+    """Delete the temporary files of checkpoint writes that never finished (a run killed during a write, or
+    interrupted twice); returns them. This process's own temporary file, if it is writing one, stays."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed = []
+    for leftover in directory.glob(".ckpt_step*.pt.tmp-*"):
+        if not leftover.name.endswith(f".tmp-{os.getpid()}"):
+            leftover.unlink(missing_ok=True)
+            removed.append(leftover)
+    return removed
+
+
 def remove_old_checkpoints(directory: str | Path, keep_last: int) -> None:
     """Keep the newest `keep_last` checkpoints (0: keep all), and no temporary file of an interrupted write."""
     directory = Path(directory)
     if keep_last > 0:
         for _, path in list_checkpoints(directory)[:-keep_last]:
             path.unlink(missing_ok=True)
-    for leftover in directory.glob(".ckpt_step*.pt.tmp-*"):
-        if not leftover.name.endswith(f".tmp-{os.getpid()}"):
-            leftover.unlink(missing_ok=True)
+    remove_temporary_files(directory)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -447,52 +458,3 @@ def find_checkpoint_to_resume(resume: str, directory: str, expected: ModelConfig
         return path, payload
     raise CheckpointError(f"--resume auto: none of the {len(found)} checkpoint(s) in {directory}/ is usable; "
                           f"newest: {first_problem}")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Stopping cleanly on SIGINT / SIGTERM
-# ----------------------------------------------------------------------------------------------------------
-class StopOnSignal:
-    """Within `with StopOnSignal() as stop:`, SIGINT (Ctrl-C) and SIGTERM (a scheduler's stop) do not kill the
-    run: they set `stop.requested`, and the training loop finishes its step, writes a checkpoint and returns.
-    A second Ctrl-C aborts at once (KeyboardInterrupt), for when the user really means it.
-
-    The handler only records the signal: printing from inside a signal handler can collide with a print the
-    loop is doing. Handlers can only be installed from the main thread; elsewhere the signals keep their
-    default behaviour.
-    """
-
-    EXIT_CODES = {signal.SIGINT: 0, signal.SIGTERM: 128 + signal.SIGTERM}   # 143: the shell's convention
-
-    def __init__(self):
-        self.signal_number = None
-        self._previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for number in self.EXIT_CODES:
-                self._previous[number] = signal.signal(number, self._handle)
-        return self
-
-    def __exit__(self, *exc_info):
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-        return False
-
-    def _handle(self, number, frame):
-        if self.signal_number is not None and number == signal.SIGINT:
-            raise KeyboardInterrupt
-        if self.signal_number is None:
-            self.signal_number = number
-
-    @property
-    def requested(self) -> bool:
-        return self.signal_number is not None
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signal_number).name
-
-    @property
-    def exit_code(self) -> int:
-        return self.EXIT_CODES[self.signal_number]

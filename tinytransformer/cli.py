@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -54,6 +55,23 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n" if is_main_process() else None)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help that shows each default once. The harness's flags default to None (so that a flag given can be told
+    from one left out) and write their real default into the help text as [value]; argparse's
+    ArgumentDefaultsHelpFormatter would add "(default: None)" to each of them. This one adds "(default: X)" only
+    where the help text does not state the default already, and never for None, for on/off switches or for
+    suppressed defaults."""
+
+    STATES_DEFAULT = re.compile(r"\[[^\]]*\]\s*$|\(default|%\(default\)", re.IGNORECASE)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default is None or action.default is argparse.SUPPRESS or action.nargs == 0
+                or self.STATES_DEFAULT.search(text)):
+            return text
+        return super()._get_help_string(action)
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -87,7 +105,7 @@ def positive_float(text: str) -> float:
 def build_parser(spec: VersionSpec, prog: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog=prog, description=f"TinyLlama {spec.name} ({spec.title}): train, time and profile.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     # Defaults are None here so that we can tell "not given" from "given"; the real defaults are the
     # dataclass fields (shown in the help text), overridden by --config/--preset, then by the flags.
     model = parser.add_argument_group("model size (defaults: the seed config)")
@@ -105,8 +123,8 @@ def build_parser(spec: VersionSpec, prog: str | None = None) -> argparse.Argumen
     run.add_argument("--seq-len", type=positive_int, help="tokens per sequence [128]")
     run.add_argument("--num-steps", type=positive_int, help="optimizer steps in the run [100]")
     run.add_argument("--warmup-steps", type=non_negative_int,
-                     help="TIMING warm-up: the first N steps are excluded from throughput figures "
-                          "[min(5, (num_steps-1)//2)]")
+                     help="TIMING warm-up: the first N steps (of this process: after --resume, its first N) are "
+                          "excluded from throughput figures [min(5, (steps to run - 1)//2)]")
     run.add_argument("--learning-rate", type=positive_float, help="peak AdamW learning rate [1e-3]")
     run.add_argument("--lr-schedule", choices=["constant", "cosine"],
                      help="learning rate over the run: constant, or cosine decay to 10%% of the peak [constant]")
@@ -127,8 +145,10 @@ def build_parser(spec: VersionSpec, prog: str | None = None) -> argparse.Argumen
                       help="batches per validation: the same fixed batches every time [8]")
     keep.add_argument("--save-every", type=non_negative_int,
                       help="write a checkpoint every N steps and at the end; 0 = only when stopped by "
-                           "Ctrl-C / SIGTERM [0]")
-    keep.add_argument("--checkpoint-dir", help="where checkpoints are written [checkpoints]")
+                           "Ctrl-C / SIGTERM, and only with --checkpoint-dir or --resume [0]")
+    keep.add_argument("--checkpoint-dir",
+                      help="where checkpoints are written; giving it also asks for a checkpoint when Ctrl-C / "
+                           "SIGTERM stops the run [checkpoints]")
     keep.add_argument("--keep-last", type=non_negative_int,
                       help="keep only the newest K checkpoints in --checkpoint-dir; 0 = keep all [3]")
     keep.add_argument("--resume", metavar="PATH|auto",
@@ -194,8 +214,13 @@ def resolve_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]
         train = TrainConfig(**train_settings)
     except TypeError as error:
         raise ConfigError(str(error)) from None
+    # What the user chose, as opposed to defaults: whether --checkpoint-dir was given decides whether a stopped
+    # run writes a checkpoint, and a resumed run recomputes a default warm-up (trainer.given_explicitly).
+    # Not a dataclass field: it stays out of the metrics JSON and the checkpoints.
+    train.given_settings = frozenset(train_settings)
     if "warmup_steps" not in train_settings:
-        train.warmup_steps = min(5, max(0, (train.num_steps - 1) // 2))
+        from .trainer import default_warmup_steps
+        train.warmup_steps = default_warmup_steps(train.num_steps)
     # A config file may set max_seq_len below a requested --seq-len; a flag --seq-len alone above the
     # default max is an error, reported by check_compatible with the fix to apply.
     check_compatible(model, train)
@@ -218,7 +243,7 @@ def run(spec: VersionSpec, argv=None) -> int:
                 return 1
         result = trainer.run()
         finish_together()   # under data parallel: every rank done before any leaves the process group
-        if result.exit_code:   # stopped early by SIGINT / SIGTERM after writing a checkpoint
+        if result.exit_code:   # stopped early by SIGTERM (143; a Ctrl-C stop exits with 0)
             return result.exit_code
         if train_config.validate_setup:
             from .validate import check_outputs

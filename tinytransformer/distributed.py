@@ -107,11 +107,15 @@ class DistributedContext:
 
     def max_over_ranks(self, value: int) -> int:
         """The largest of the ranks' integers, on every rank (e.g. a signal number that reached only some)."""
+        return self.max_over_ranks_each([value])[0]
+
+    def max_over_ranks_each(self, values: list[int]) -> list[int]:
+        """max_over_ranks of several integers at once: one all-reduce, one synchronisation."""
         if not self.enabled:
-            return value
-        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return int(tensor.item())
+        return [int(v) for v in tensor.tolist()]
 
     def check_same(self, value: int, what: str, hint: str = "") -> None:
         """Raise ConfigError on every rank if the ranks disagree on an integer (e.g. the step a resume starts at)."""
@@ -242,11 +246,19 @@ def graph_capture_note(args, device: torch.device, context: DistributedContext) 
 # ----------------------------------------------------------------------------------------------------------
 # DeepSpeed
 # ----------------------------------------------------------------------------------------------------------
+def choose_deepspeed_accelerator(device: torch.device, env=os.environ) -> None:
+    """DeepSpeed picks its "accelerator" once, when it is first imported. Left to guess on a machine without a
+    GPU, it warns ("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect
+    it."), and on a GPU machine it would take the GPU even for a --device cpu run. The harness knows the device:
+    a CPU run says so before any part of it imports DeepSpeed (--deepspeed, --validate-setup's check of the
+    installed libraries, the FLOPS profiles). A DS_ACCELERATOR the user set is kept."""
+    if device.type == "cpu":
+        env.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def import_deepspeed(device: torch.device):
     """The deepspeed module, or ConfigError with the one line that says how to install it."""
-    if device.type == "cpu":
-        # DeepSpeed picks its "accelerator" once, at import; a CPU run on a GPU machine must say so first.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    choose_deepspeed_accelerator(device)
     try:
         with _quiet_unless_main():
             import deepspeed

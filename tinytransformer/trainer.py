@@ -9,8 +9,15 @@ excluded, and the summary reports the MEDIAN step time with its spread.
 Long runs. `--eval-every` measures the validation loss (outside the timed regions), `--lr-schedule` shapes the
 learning rate, `--save-every` writes checkpoints (tinytransformer/checkpoint.py) and `--resume` continues a
 run exactly where it stopped: step t's batch and learning rate are functions of t, and the checkpoint holds
-everything else (weights, optimizer state, random-number states, the loss history). Ctrl-C or SIGTERM ends the
-current step, writes a checkpoint and prints how to resume.
+everything else (weights, optimizer state, random-number states, the loss history). Ctrl-C or SIGTERM stops the
+run at once: a step caught in its forward or backward pass is abandoned (it has changed nothing yet), one caught
+in its optimizer step is finished (tinytransformer/stopping.py). The run then writes a checkpoint if checkpoints
+were asked for (--checkpoint-dir, --save-every or --resume) and prints how to resume.
+
+Progress. A step line is printed every --log-every steps and also at the end of the first step that ends
+PROGRESS_INTERVAL_S (10 s) or more after the last step line; a step that alone runs longer (Triton's CPU
+interpreter) gets "still running" lines from a heartbeat thread (tinytransformer/progress.py). Both read only the
+host clock. Warm-up and profiled steps are shown as such, not as throughput.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import shlex
 import signal
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +44,8 @@ from .data import BatchStream, build_corpora
 from .device import describe, peak_memory_mb, peak_tflops, reset_peak_memory, resolve_device, synchronize
 from .precision import tf32_enabled
 from .profiling import DeepSpeedFlopsSession, PyTorchProfilerSession, profile_range
+from .progress import Progress
+from .stopping import StepAbandoned, StopOnSignal, may_abandon
 from .weights import init_canonical_weights, parameter_count
 
 
@@ -115,15 +125,17 @@ class EagerStep:
 
     def __call__(self, inputs, targets):
         marks = [self.phase_timer.mark()] if self.phase_timer else None
-        self.optimizer.zero_grad(set_to_none=True)
-        with profile_range("forward"), autocast_context(self.device, self.train):
-            _, loss = self.model(inputs, targets)
-        if marks is not None:
-            marks.append(self.phase_timer.mark())
-        with profile_range("backward"):
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-        if marks is not None:
-            marks.append(self.phase_timer.mark())
+        # Until the optimizer step nothing persistent changes: a stop signal here abandons the step at once.
+        with may_abandon():
+            self.optimizer.zero_grad(set_to_none=True)
+            with profile_range("forward"), autocast_context(self.device, self.train):
+                _, loss = self.model(inputs, targets)
+            if marks is not None:
+                marks.append(self.phase_timer.mark())
+            with profile_range("backward"):
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            if marks is not None:
+                marks.append(self.phase_timer.mark())
         with profile_range("optimizer"):
             if self.scaler:
                 self.scaler.step(self.optimizer)
@@ -210,6 +222,26 @@ class RunResult:
     exit_code: int = 0           # 0, or 143 when SIGTERM stopped the run (SIGINT stops it with 0)
 
 
+def default_warmup_steps(steps_to_run: int) -> int:
+    """The timing warm-up when --warmup-steps is not given: up to 5 steps, never more than half of the steps
+    this process runs (a resumed run counts its own steps, not the run's total)."""
+    return min(5, max(0, (steps_to_run - 1) // 2))
+
+
+def given_explicitly(train: TrainConfig, name: str) -> bool:
+    """Was setting `name` chosen by the user (a flag or a config file) rather than left at its default?
+    cli.resolve_configs records the chosen names in `train.given_settings`; a TrainConfig built in code has no
+    such record and counts as chosen in full."""
+    given = getattr(train, "given_settings", None)
+    return given is None or name in given
+
+
+def checkpoints_requested(train: TrainConfig) -> bool:
+    """Checkpoints are written only where the user asked for them: --save-every, --resume, or a --checkpoint-dir
+    of their own. A run without any of these writes no file when it is interrupted."""
+    return bool(train.save_every or train.resume or given_explicitly(train, "checkpoint_dir"))
+
+
 def profiler_window(num_steps: int, warmup_steps: int, profile_steps: int) -> tuple[int, int, int, int]:
     """(first step, wait, warm-up, active) of the PyTorch profiler: right after the timing warm-up if the run
     is long enough, else as late as possible; shrunk to fit very short runs."""
@@ -227,6 +259,10 @@ class Trainer:
         self.out = out if out is not None else sys.stdout   # looked up now, so that tests can capture it
         self.argv = list(sys.argv[1:] if argv is None else argv)   # to print the command that resumes the run
         self.device = resolve_device(train.device)
+        self._log_lock = threading.Lock()   # the progress heartbeat prints from a second thread
+        self.progress = Progress(self.log)
+        # Before anything imports DeepSpeed (--deepspeed, --validate-setup, the FLOPS profiles): no guess, no warning.
+        distributed.choose_deepspeed_accelerator(self.device)
         if train.use_amp and self.device.type == "cpu" and train.amp_dtype == "float16":
             raise ConfigError("--use-amp with --amp-dtype float16 is not supported on the CPU; "
                               "use --amp-dtype bfloat16 or a GPU")
@@ -240,8 +276,11 @@ class Trainer:
         self.setup_notes = [note for note in [distributed.graph_capture_note(args, self.device, self.dist)] if note]
 
     def log(self, text: str = "") -> None:
-        if self.dist.is_main:   # under data parallel only rank 0 prints
+        if not self.dist.is_main:   # under data parallel only rank 0 prints
+            return
+        with self._log_lock:
             print(text, file=self.out, flush=True)
+        self.progress.printed()
 
     # -- set-up --------------------------------------------------------------------------------------------
     def build(self) -> None:
@@ -249,6 +288,8 @@ class Trainer:
         # A bad --resume fails first: one line, before anything is built or written.
         resume = (ckpt.find_checkpoint_to_resume(train.resume, train.checkpoint_dir, cfg, self.log)
                   if train.resume else None)
+        if checkpoints_requested(train) and self.dist.is_main:
+            self.remove_interrupted_writes()
         torch.manual_seed(train.seed)
         self.model = self.spec.build_model(cfg, self.args)
         self.model.load_canonical(init_canonical_weights(cfg, train.seed))
@@ -266,6 +307,8 @@ class Trainer:
         self._corpus_fingerprint = None
         if resume is not None:
             self.resume_from_checkpoint(*resume)
+            if not given_explicitly(train, "warmup_steps"):   # the default counts this process's steps
+                train.warmup_steps = default_warmup_steps(train.num_steps - self.start_step)
         self.dist.check_same(self.start_step, "the step to resume from",
                              " (is --checkpoint-dir on a file system that every node sees?)")
         if schedule_varies(train):
@@ -310,6 +353,13 @@ class Trainer:
         if checkpoint["version"] != self.spec.name:
             self.resume_notes.append(f"written by {checkpoint['version']}, continued by {self.spec.name} "
                                      f"(canonical weights and optimizer state)")
+
+    def remove_interrupted_writes(self) -> None:
+        """Temporary files of checkpoint writes that never finished (a killed run): not checkpoints, only litter."""
+        removed = ckpt.remove_temporary_files(self.train.checkpoint_dir)
+        if removed:
+            self.log(f"note: removed {len(removed)} temporary file(s) of an interrupted checkpoint write from "
+                     f"{self.train.checkpoint_dir}/")
 
     def corpus_fingerprint(self) -> str:
         if self._corpus_fingerprint is None:
@@ -370,92 +420,58 @@ class Trainer:
         self.print_header()
         train = self.train
         first = self.start_step    # 0, or the step a resumed run continues from
-        timer = StepTimer(self.device)
-        losses = torch.full((train.num_steps,), float("nan"), device=self.device)
+        # Per-step records, read from the device only when a line is printed (print_step_line).
+        self.timer = StepTimer(self.device)
+        self.losses = torch.full((train.num_steps,), float("nan"), device=self.device)
         if first:
-            losses[:first] = torch.tensor(self.loss_history, dtype=losses.dtype)
-        step_ms: dict[int, float] = {}
+            self.losses[:first] = torch.tensor(self.loss_history, dtype=self.losses.dtype)
+        self.step_ms: dict[int, float] = {}
+        self.interval_start = first   # the first step not yet shown in a line
         excluded: set[int] = set(range(first, first + train.warmup_steps))
         profiler, profile_first = self.make_profiler(excluded)
-        writer = self.make_tensorboard_writer()
+        self.untimed = excluded   # warm-up and profiled steps: their step lines say so
+        self.writer = self.make_tensorboard_writer()
         reset_peak_memory(self.device)
         if self.rng_to_restore is not None:
             ckpt.restore_rng_state(self.rng_to_restore)
-        interval_start = first
         self.current_lr = None
         self.eval_seconds = 0.0
-        self.last_checkpoint = None
-        steps_done, stopped_by, exit_code = first, None, 0
+        self.last_checkpoint, self.last_checkpoint_step = None, None
         run_started = time.perf_counter()
-
-        with ckpt.StopOnSignal() as stop:
-            for step in range(first, train.num_steps):
-                if profiler is not None and step == profile_first:
-                    profiler.start()
-                self.apply_learning_rate(step)
-                inputs, targets = self.stream.batch(step)
-                # Under data parallel every rank times its own steps; the summary reports rank 0's (the ranks
-                # wait for each other in every gradient all-reduce, so their step times agree closely).
-                start = timer.mark()
-                loss = self.step_fn(inputs, targets)
-                timer.add((start, timer.mark()))
-                losses[step] = loss
-                steps_done = step + 1
-                if profiler is not None and profile_first <= step and profiler.steps_done < profiler.total_steps:
-                    if profiler.step():
-                        self.finish_profile(profiler)
-                stop_signal = self.agreed_stop_signal(stop, steps_done)   # read once: signals come any time
-                stopping = stop_signal is not None
-                if (steps_done % train.log_every == 0 or step == first or steps_done == train.num_steps
-                        or stopping):
-                    # Each rank's loss is its slice's; the mean over the ranks is the global batch's loss.
-                    self.dist.average_(losses[interval_start:steps_done])
-                    for offset, (ms,) in enumerate(timer.collect()):
-                        step_ms[interval_start + offset] = ms
-                    interval_start = steps_done
-                    self.log_step(step, losses, step_ms, writer)
-                # Validation and checkpoints run between the timed regions: they never count as step time.
-                if train.eval_every and (steps_done % train.eval_every == 0 or steps_done == train.num_steps):
-                    self.run_validation(steps_done, writer)
-                if stopping:
-                    stopped_by = signal.Signals(stop_signal).name
-                    self.log(f"{stopped_by} received: stopping after step {steps_done}, writing a checkpoint")
-                if stopping or (train.save_every and (steps_done % train.save_every == 0
-                                                      or steps_done == train.num_steps)):
-                    self.save_checkpoint(steps_done, losses)
-                if stopping:
-                    exit_code = ckpt.StopOnSignal.EXIT_CODES[stop_signal]
-                    break
+        steps_done, stopped_by, exit_code = self.train_steps(profiler, profile_first)
         if profiler is not None and profiler.steps_done < profiler.total_steps:
             profiler.stop()
             self.finish_profile(profiler)
         synchronize(self.device)
         wall_seconds = time.perf_counter() - run_started
 
-        loss_values = losses[:steps_done].tolist()
+        loss_values = self.losses[:steps_done].tolist()
         if not all(math.isfinite(v) for v in loss_values):
             first_bad = next(i for i, v in enumerate(loss_values) if not math.isfinite(v))
             self.log(f"warning: the loss became non-finite at step {first_bad} (diverged)")
-        timed = [ms for s, ms in sorted(step_ms.items()) if s not in excluded]
+        step_ms = sorted(self.step_ms.items())
+        timed = [ms for s, ms in step_ms if s not in excluded]
         note = None
         if not timed:  # a very short run: everything was warm-up or profiled; time it anyway, and say so
-            timed = ([ms for s, ms in sorted(step_ms.items())
-                      if s >= min(first + train.warmup_steps, train.num_steps - 1)]
-                     or [ms for _, ms in sorted(step_ms.items())])
+            timed = ([ms for s, ms in step_ms if s >= min(first + train.warmup_steps, train.num_steps - 1)]
+                     or [ms for _, ms in step_ms])
             note = "every step was warm-up or profiled; the times include that overhead"
         metrics = self.build_metrics(loss_values, timed, wall_seconds, note)
         metrics.update(self.long_run_metrics(first, steps_done, stopped_by))
         if self.phase_timer is not None:
             metrics["timing_breakdown"] = self.phase_breakdown()
         if train.enable_deepspeed_flops and self.dist.is_main:
-            metrics["deepspeed_flops"] = self.run_deepspeed_flops()
+            if stopped_by:   # one more forward pass (a minute in Triton's CPU interpreter) is not what was asked
+                self.log("note: DeepSpeed FLOPS profile skipped: the run was stopped")
+            else:
+                metrics["deepspeed_flops"] = self.run_deepspeed_flops()
         if self.profile_result:
             metrics["profile"] = self.profile_result
             if self.profile_result.get("kernels_per_step") is not None:
                 metrics["kernels_per_step"] = self.profile_result["kernels_per_step"]
         self.print_summary(metrics)
-        if writer is not None:
-            writer.close()
+        if self.writer is not None:
+            self.writer.close()
         if train.output_json and self.dist.is_main:
             write_json(train.output_json, metrics)
             self.log(f"metrics JSON: {train.output_json}")
@@ -463,20 +479,93 @@ class Trainer:
             self.print_resume_hint(stopped_by, steps_done)
         return RunResult(metrics, loss_values, exit_code=exit_code)
 
-    def agreed_stop_signal(self, stop: ckpt.StopOnSignal, steps_done: int) -> int | None:
-        """The signal (SIGINT / SIGTERM number) that ends the run after this step, or None to go on.
+    def train_steps(self, profiler, profile_first: int) -> tuple[int, str | None, int]:
+        """The steps of this process, until the end or a stop signal: (steps done, the signal's name or None,
+        the exit code)."""
+        train = self.train
+        steps_done = self.start_step
+        stop_signal, abandoned = None, None
+        # One process abandons a step that a signal catches in its forward or backward pass (stopping.py). Under
+        # data parallel it must not: a rank that left its backward pass half-way would leave the others waiting
+        # in the gradient all-reduce. There the ranks agree to stop after a step (agreed_stop).
+        with StopOnSignal(abandon_steps=not self.dist.enabled) as stop, self.heartbeat():
+            try:
+                if self.validation_missing_at(steps_done):
+                    self.run_validation(steps_done)
+                for step in range(self.start_step, train.num_steps):
+                    if profiler is not None and step == profile_first:
+                        profiler.start()
+                    self.apply_learning_rate(step)
+                    inputs, targets = self.stream.batch(step)
+                    # Under data parallel every rank times its own steps; the summary reports rank 0's (the ranks
+                    # wait for each other in every gradient all-reduce, so their step times agree closely).
+                    self.progress.begin(f"step {step + 1:>6}/{train.num_steps}")
+                    start = self.timer.mark()
+                    loss = self.step_fn(inputs, targets)
+                    self.timer.add((start, self.timer.mark()))
+                    self.progress.end()
+                    self.losses[step] = loss
+                    steps_done = step + 1
+                    if profiler is not None and profile_first <= step and profiler.steps_done < profiler.total_steps:
+                        if profiler.step():
+                            self.finish_profile(profiler)
+                    stop_signal, line_due = self.agreed_stop(stop, steps_done)   # read once: signals come any time
+                    if (steps_done % train.log_every == 0 or step == self.start_step
+                            or steps_done == train.num_steps or stop_signal is not None or line_due):
+                        self.print_step_line(step)
+                    if stop_signal is not None:
+                        break   # no validation now: a resumed run computes the one it misses (validation_missing_at)
+                    # Validation and checkpoints run between the timed regions: they never count as step time.
+                    if self.validation_due(steps_done):
+                        self.run_validation(steps_done)
+                    if train.save_every and (steps_done % train.save_every == 0 or steps_done == train.num_steps):
+                        self.save_checkpoint(steps_done)
+            except StepAbandoned as caught:
+                # The run ends as if it had stopped after the last completed step: the abandoned step's gradients
+                # are dropped, its loss and time were never recorded.
+                stop_signal, abandoned = caught.signal_number, self.progress.activity_name()
+                self.progress.end()
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.interval_start < steps_done:
+                    self.print_step_line(steps_done - 1)
+            if stop_signal is None:
+                return steps_done, None, 0
+            name = signal.Signals(stop_signal).name
+            self.stop_run(name, steps_done, abandoned)
+            return steps_done, name, StopOnSignal.EXIT_CODES[stop_signal]
 
-        A single process stops after the step in which the signal arrived. Under data parallel a signal reaches
-        the ranks at different moments, but they must stop after the SAME step: a rank that went on alone would
-        wait forever in its next gradient all-reduce. So the ranks agree on it (an all-reduce of the signal
-        number, max over ranks). That costs a device-host synchronisation, hence only every
-        STOP_AGREEMENT_EVERY steps: a data-parallel run stops at most that many steps after the signal.
+    def agreed_stop(self, stop: StopOnSignal, steps_done: int) -> tuple[int | None, bool]:
+        """(the signal (SIGINT / SIGTERM number) that ends the run after this step, or None to go on; whether a
+        step line is due because PROGRESS_INTERVAL_S passed since the last one).
+
+        A single process stops after the step in which the signal arrived (unless the signal abandoned the step,
+        see stopping.py). Under data parallel a signal reaches the ranks at different moments, but they must stop
+        after the SAME step: a rank that went on alone would wait forever in its next gradient all-reduce. And
+        they must print the same step lines: a line averages the loss over the ranks, a collective too, while
+        each rank's clock decides alone when a line is due. So the ranks agree on both (one all-reduce, max over
+        ranks). That costs a device-host synchronisation, hence only every STOP_AGREEMENT_EVERY steps: a
+        data-parallel run stops at most that many steps after the signal.
         """
         if not self.dist.enabled:
-            return stop.signal_number
+            return stop.signal_number, self.progress.due()
         if steps_done % STOP_AGREEMENT_EVERY:
-            return None
-        return self.dist.max_over_ranks(stop.signal_number or 0) or None
+            return None, False
+        signal_number, due = self.dist.max_over_ranks_each([stop.signal_number or 0, int(self.progress.due())])
+        return signal_number or None, bool(due)
+
+    def heartbeat(self):
+        """Rank 0's "still running" lines while a long step runs (progress.py); the other ranks print nothing."""
+        return self.progress.heartbeat() if self.dist.is_main else contextlib.nullcontext()
+
+    def validation_due(self, steps_done: int) -> bool:
+        train = self.train
+        return bool(train.eval_every) and (steps_done % train.eval_every == 0 or steps_done == train.num_steps)
+
+    def validation_missing_at(self, step: int) -> bool:
+        """A resumed run whose checkpoint was written by a run stopped before the validation of its last step
+        computes that validation first: the validation history then matches the uninterrupted run's."""
+        return (self.resumed_from is not None and step > 0 and self.validation_due(step)
+                and all(s != step for s, _ in self.eval_history))
 
     def apply_learning_rate(self, step: int) -> None:
         """Set the schedule's learning rate before the step, only when it changes (a tensor lr costs a kernel)."""
@@ -485,33 +574,56 @@ class Trainer:
             set_learning_rate(self.optimizer, lr)
             self.current_lr = lr
 
-    def log_step(self, step, losses, step_ms, writer) -> None:
-        value = losses[step].item()
-        recent = [ms for s, ms in step_ms.items() if s > step - self.train.log_every and s <= step]
-        ms = statistics.median(recent) if recent else float("nan")
-        samples_per_s = self.global_batch / (ms / 1e3) if ms > 0 else float("nan")
-        scheduled = schedule_varies(self.train)
-        self.log(f"step {step + 1:>6}/{self.train.num_steps} | loss {value:.4f} | "
-                 f"{samples_per_s:10.1f} samples/s | {ms:8.2f} ms/step"
-                 + (f" | lr {self.current_lr:.2e}" if scheduled else ""))
-        if writer is not None:
-            writer.add_scalar("train/loss", value, step + 1)
-            writer.add_scalar("train/samples_per_s", samples_per_s, step + 1)
-            writer.add_scalar("train/lr", self.current_lr, step + 1)
+    def print_step_line(self, step: int) -> None:
+        """Collect the losses and times of the steps since the last line (one device synchronisation) and print
+        the line of `step`."""
+        steps_done = step + 1
+        # Each rank's loss is its slice's; the mean over the ranks is the global batch's loss.
+        self.dist.average_(self.losses[self.interval_start:steps_done])
+        for offset, (ms,) in enumerate(self.timer.collect()):
+            self.step_ms[self.interval_start + offset] = ms
+        self.log_step(step, self.interval_start)
+        self.progress.step_line_printed()
+        self.interval_start = steps_done
 
-    def run_validation(self, steps_done: int, writer) -> None:
+    def log_step(self, step: int, interval_start: int) -> None:
+        """One step line: the loss of `step` and the median time of the TIMED steps since the last line. When all
+        of them were warm-up or profiled steps, the line says so and shows the step's time as what it is."""
+        value = self.losses[step].item()
+        step_ms = self.step_ms
+        timed = [step_ms[s] for s in range(interval_start, step + 1) if s in step_ms and s not in self.untimed]
+        line = f"step {step + 1:>6}/{self.train.num_steps} | loss {value:.4f} | "
+        samples_per_s = None
+        if timed:
+            ms = statistics.median(timed)
+            samples_per_s = self.global_batch / (ms / 1e3) if ms > 0 else float("nan")
+            line += f"{samples_per_s:10.1f} samples/s | {ms:8.2f} ms/step"
+        else:
+            kind = "warm-up" if step < self.start_step + self.train.warmup_steps else "profiled"
+            line += f"{kind} step, not timed ({step_ms.get(step, float('nan')):.2f} ms)"
+        self.log(line + (f" | lr {self.current_lr:.2e}" if schedule_varies(self.train) else ""))
+        if self.writer is not None:
+            self.writer.add_scalar("train/loss", value, step + 1)
+            if samples_per_s is not None:
+                self.writer.add_scalar("train/samples_per_s", samples_per_s, step + 1)
+            self.writer.add_scalar("train/lr", self.current_lr, step + 1)
+
+    def run_validation(self, steps_done: int) -> None:
         started = time.perf_counter()
-        value = validation_loss(self.model, self.eval_stream, self.train.eval_batches, self.device, self.train)
+        self.progress.begin(f"eval {steps_done:>6}/{self.train.num_steps}")
+        with may_abandon():   # changes nothing but eval_history, below: a stop signal may abandon it
+            value = validation_loss(self.model, self.eval_stream, self.train.eval_batches, self.device, self.train)
+        self.progress.end()
         value = self.dist.average(value)   # each rank measured its slice of the same validation batches
         self.eval_seconds += time.perf_counter() - started
         self.eval_history.append([steps_done, value])
         optimum = self.valid_corpus.optimum_loss
         gap = f" (optimum {optimum:.4f}, gap {value - optimum:.4f} nats)" if optimum is not None else ""
         self.log(f"eval {steps_done:>6}/{self.train.num_steps} | validation loss {value:.4f}{gap}")
-        if writer is not None:
-            writer.add_scalar("eval/loss", value, steps_done)
+        if self.writer is not None:
+            self.writer.add_scalar("eval/loss", value, steps_done)
 
-    def save_checkpoint(self, steps_done: int, losses: torch.Tensor) -> None:
+    def save_checkpoint(self, steps_done: int) -> None:
         """Rank 0 writes the checkpoint of the state after `steps_done` steps, then drops the oldest ones."""
         if self.dist.engine == "deepspeed":   # --save-every/--resume are refused; a signal lands here
             self.log("note: no checkpoint under --deepspeed (the optimizer state lives in DeepSpeed's engine)")
@@ -520,20 +632,45 @@ class Trainer:
             return
         train = self.train
         started = time.perf_counter()
-        payload = ckpt.build_checkpoint(
-            version=self.spec.name, step=steps_done, model=self.model, optimizer=self.optimizer,
-            scaler=getattr(self.step_fn, "scaler", None), model_config=self.model_config, train_config=train,
-            losses=losses[:steps_done].tolist(), evals=self.eval_history, corpus=self.corpus_fingerprint(),
-            world_size=self.dist.world_size)
-        path = ckpt.save_atomically(payload, ckpt.checkpoint_path(train.checkpoint_dir, steps_done))
+        path = ckpt.checkpoint_path(train.checkpoint_dir, steps_done)
+        try:
+            payload = ckpt.build_checkpoint(
+                version=self.spec.name, step=steps_done, model=self.model, optimizer=self.optimizer,
+                scaler=getattr(self.step_fn, "scaler", None), model_config=self.model_config, train_config=train,
+                losses=self.losses[:steps_done].tolist(), evals=self.eval_history, corpus=self.corpus_fingerprint(),
+                world_size=self.dist.world_size)
+            ckpt.save_atomically(payload, path)
+        except KeyboardInterrupt:   # a second Ctrl-C: save_atomically has removed its temporary file
+            if not path.exists():
+                self.log(f"interrupted while writing {path}: not written; earlier checkpoints are intact")
+            raise
         ckpt.remove_old_checkpoints(train.checkpoint_dir, train.keep_last)
-        self.last_checkpoint = str(path)
+        self.last_checkpoint, self.last_checkpoint_step = str(path), steps_done
         seconds = time.perf_counter() - started   # includes copying GPU tensors to the host and the fsync
         size_mb = Path(path).stat().st_size / 1e6
         self.log(f"checkpoint  : {path} (step {steps_done}, {size_mb:.1f} MB, saved in {seconds:.2f} s)")
 
+    def stop_run(self, signal_name: str, steps_done: int, abandoned: str | None) -> None:
+        """Say why the run stops, and write the checkpoint of the state after `steps_done` steps if checkpoints were
+        asked for (checkpoints_requested) and it is not already on disk."""
+        line = f"{signal_name} received" + (f" during {abandoned}, abandoned" if abandoned else "")
+        line += f": stopping after step {steps_done}"
+        if not checkpoints_requested(self.train):
+            self.log(f"{line}; no checkpoint written (none was asked for)")
+        elif steps_done == self.start_step:
+            self.log(f"{line}; no checkpoint written (no step completed in this run)")
+        elif self.last_checkpoint_step == steps_done:
+            self.log(f"{line}; its checkpoint is already written")
+        else:
+            self.log(f"{line}, writing a checkpoint")
+            self.save_checkpoint(steps_done)
+
     def print_resume_hint(self, signal_name: str, steps_done: int) -> None:
-        if self.last_checkpoint is None:   # not rank 0
+        stopped = f"stopped by {signal_name} after step {steps_done}/{self.train.num_steps}"
+        if self.last_checkpoint is None:
+            if not checkpoints_requested(self.train):
+                self.log(f"{stopped}; no checkpoint written. To resume an interrupted run, start it with "
+                         f"--checkpoint-dir DIR (a checkpoint when stopped) or --save-every N")
             return
         args, given = [], iter(self.argv)
         for arg in given:   # the same command, with any earlier --resume replaced
@@ -542,8 +679,7 @@ class Trainer:
             elif not arg.startswith("--resume="):
                 args.append(arg)
         script = sys.argv[0] if sys.argv[0].endswith(".py") else f"tiny_llama_{self.spec.name}.py"
-        self.log(f"stopped by {signal_name} after step {steps_done}/{self.train.num_steps}; "
-                 f"checkpoint: {self.last_checkpoint}")
+        self.log(f"{stopped}; checkpoint: {self.last_checkpoint}")
         launcher = "python"
         if self.dist.enabled:   # the same launch: processes per node as now (multi-node: see the sbatch script)
             launcher = f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', self.dist.world_size)}"

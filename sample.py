@@ -87,6 +87,11 @@ def build_model(version: str, config: ModelConfig) -> torch.nn.Module:
         module = importlib.import_module(VERSION_MODULES[version])
     except ImportError as error:
         raise ConfigError(f"--version {version} is not available here ({error})") from None
+    # The Triton versions' kernels take only some shapes (a checkpoint of version 1 or 2 may have others):
+    # checked for the longest window generation runs, one sequence at a time.
+    problem = module.shape_problem(config, 1, config.max_seq_len) if hasattr(module, "shape_problem") else None
+    if problem:
+        raise ConfigError(f"the checkpoint's model cannot run on --version {version}: {problem}")
     return module.TinyLlama(config)
 
 

@@ -199,10 +199,11 @@ def apply_machine_defaults(args) -> None:
     """The seed configuration on a GPU; a quick small-model look without one (see CPU_MODEL_FLAGS)."""
     on_gpu = gpu_present(args.device)
     model_flags_given = any(flag in args.extra for flag in CPU_MODEL_FLAGS[::2])
+    args.machine_note = None   # printed by main once the arguments are checked
     if not on_gpu and not model_flags_given:
         args.extra = [*CPU_MODEL_FLAGS, *args.extra]
-        print("no GPU: comparing a small model on the CPU (Triton versions run in the interpreter, slowly); "
-              "the seed configuration needs a GPU", flush=True)
+        args.machine_note = ("no GPU: comparing a small model on the CPU (Triton versions run in the interpreter, "
+                             "slowly); the seed configuration needs a GPU")
     if args.batch_size is None:
         args.batch_size = 8 if on_gpu else CPU_BATCH
     if args.seq_len is None:
@@ -308,10 +309,46 @@ def rows_of(runs: list[dict], repeats: int) -> list[dict]:
     return [{k: v for k, v in run.items() if k != "repeat"} for run in runs]
 
 
+def training_flags(args, batch: int, seq: int) -> list[str]:
+    """The flags of a variant's run that decide its sizes and precision (run_variant adds the rest)."""
+    flags = ["--batch-size", str(batch), "--seq-len", str(seq), "--max-seq-len", str(max(seq, 128)),
+             "--device", args.device]
+    if args.dtype == "bfloat16":
+        flags += ["--use-amp", "--amp-dtype", "bfloat16"]
+    return flags + list(args.extra)
+
+
+def shape_problem(args, configs) -> str | None:
+    """Sizes that a Triton version's kernels cannot take (tiny_llama_v3/v4.shape_problem_of_flags), or flags it
+    refuses, at any configuration of the run: found before the first run instead of as failed rows after the
+    other versions have run."""
+    versions = [v for v in dict.fromkeys(VARIANTS[label][0] for label in args.variants) if v in ("v3", "v4")]
+    if not versions:
+        return None
+    sys.path.insert(0, str(REPO_ROOT))
+    from tinytransformer.config import ConfigError
+    from tinytransformer.equivalence import load_version
+    for version in versions:
+        module = load_version(version)
+        for batch, seq in configs:
+            try:
+                problem = module.shape_problem_of_flags(training_flags(args, batch, seq))
+            except ConfigError as error:
+                problem = f"{version}: {error}"
+            if problem:
+                return f"batch {batch}, seq {seq}: {problem}"
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configs = ([(b, s) for s in SWEEP_SEQ_LENS for b in SWEEP_BATCHES] if args.sweep
                else [(args.batch_size, args.seq_len)])
+    problem = shape_problem(args, configs)
+    if problem:
+        fail(problem)
+    if args.machine_note:
+        print(args.machine_note, flush=True)
     command = shlex.join(["python", "benchmarks/compare_versions.py", *(sys.argv[1:] if argv is None else argv)])
     runs, commands = earlier_rows(args, fail) if args.resume else ([], [])
     results = {"command": commands[0] if commands else command, "environment": environment(),

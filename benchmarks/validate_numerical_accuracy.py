@@ -21,7 +21,6 @@ tinytransformer/equivalence.py, the same code the test suite uses.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ enable_interpreter_if_no_gpu()  # before anything imports triton: without a GPU,
 
 import torch  # noqa: E402
 
+from tinytransformer.cli import OneLineParser, positive_int  # noqa: E402
 from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402
 from tinytransformer.precision import set_tf32  # noqa: E402
 from tinytransformer.equivalence import (canonical, forward_backward, load_version, random_batch,  # noqa: E402
@@ -49,7 +49,7 @@ SIZE_FLAGS = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "intermedia
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="validate_numerical_accuracy.py",
         description="Load the same canonical weights into two TinyLlama versions and compare logits, loss and "
                     "gradients (relative error). Exit 0: all within tolerance, 1: some are not, 2: bad input.")
@@ -62,14 +62,14 @@ def parse_args(argv):
                         help="float32, or bfloat16 autocast (on a GPU) for both versions")
     parser.add_argument("--allow-tf32", action="store_true",
                         help="let float32 matrix products use TF32 tensor cores (as version 4 does by default)")
-    parser.add_argument("--batch-size", type=int, help="sequences in the batch (default 8)")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default 128)")
-    parser.add_argument("--vocab-size", type=int, help="model size flags, as in the training scripts "
-                                                       "(default: the seed configuration)")
-    parser.add_argument("--hidden-dim", type=int)
-    parser.add_argument("--num-layers", type=int)
-    parser.add_argument("--num-heads", type=int)
-    parser.add_argument("--intermediate-size", type=int)
+    parser.add_argument("--batch-size", type=positive_int, help="sequences in the batch (default 8)")
+    parser.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default 128)")
+    parser.add_argument("--vocab-size", type=positive_int, help="model size flags, as in the training scripts "
+                                                                "(default: the seed configuration)")
+    parser.add_argument("--hidden-dim", type=positive_int)
+    parser.add_argument("--num-layers", type=positive_int)
+    parser.add_argument("--num-heads", type=positive_int)
+    parser.add_argument("--intermediate-size", type=positive_int)
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batch")
     parser.add_argument("--show", type=int, default=5, help="gradients listed individually, worst first")
@@ -110,6 +110,17 @@ def problem_size(args, device) -> tuple[ModelConfig, int, int, str | None]:
     return config, batch, seq, None
 
 
+def check_shapes(args, config: ModelConfig, batch: int, seq: int) -> None:
+    """The Triton versions' shape rules (tiny_llama_v3/v4.shape_problem, from their kernels) for this model and
+    batch: a ConfigError before either model is built."""
+    gemm_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    for version in dict.fromkeys((args.baseline, args.optimized)):
+        module = load_version(version)
+        problem = module.shape_problem(config, batch, seq, gemm_dtype) if hasattr(module, "shape_problem") else None
+        if problem:
+            raise ConfigError(problem)
+
+
 def build(version: str, config: ModelConfig, device: torch.device, exact_float32: bool):
     module = load_version(version)
     model = module.TinyLlama(config).to(device)
@@ -148,6 +159,7 @@ def main(argv=None) -> int:
     tolerance = args.tolerance if args.tolerance is not None else TOLERANCES[precision]
     try:
         config, batch, seq, note = problem_size(args, device)
+        check_shapes(args, config, batch, seq)
     except ConfigError as error:
         print(f"validate_numerical_accuracy.py: error: {error}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from tinytransformer import triton_support  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
 
 # Before any test module imports triton: on a machine without a GPU, kernels run in the interpreter.
@@ -33,6 +34,15 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """The device kernel tests run on: the GPU when there is one, else the CPU (Triton interpreter)."""
     return torch.device("cuda" if HAS_GPU else "cpu")
+
+
+@pytest.fixture
+def small_interpreter_blocks(monkeypatch):
+    """In Triton's interpreter, every kernel takes its smallest blocks instead of blocks that fit the problem
+    (tinytransformer/triton_support.py): the tests of the kernels themselves use it, so that their small problems
+    span several blocks and cover the loops and masks that a GPU's large blocks cover on large problems. Tests of
+    models and scripts run without it, with the blocks a CPU run gets."""
+    monkeypatch.setattr(triton_support, "SMALL_INTERPRETER_BLOCKS", True)
 
 
 @pytest.fixture

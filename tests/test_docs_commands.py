@@ -1,4 +1,22 @@
-"""Every shell command shown in the repository's markdown files runs as written (on the CPU, at a tiny size).
+"""Every shell command shown in the repository's markdown files runs (on the CPU, at a tiny size), every block of
+commands says whether it is meant for a CPU or a GPU, and every CPU block runs as written in the time it states.
+
+Labels: where a block is meant to run
+  The first line of every fenced block whose commands run one of the workshop's scripts (a .py or .sh file of
+  the repository outside tests/, started by python, bash, sh, source, directly, or by torchrun and the like) is a
+  comment in one of two forms:
+      # CPU (2 cores: about 40 s)    the block runs as written, from its document's directory, on a machine with
+                                     2 CPU cores and no GPU, in about that long in all ("about N s" or
+                                     "about N min"); each command in it takes about a minute at most
+      # GPU                          the block is meant for a GPU (NVIDIA or AMD): on a CPU it would take far
+      # GPU (H100: about 30 s)       longer, or measure nothing; a measured GPU time may follow in parentheses
+  A document that shows a version only at GPU sizes shows a CPU block beside it (small sizes, few steps; for
+  versions 3 and 4, head dims of 16 to 128, the sizes their Triton kernels accept). A reader without a GPU runs
+  the CPU blocks only, so a CPU block never depends on what a GPU block writes.
+  test_workshop_commands_are_labelled checks the labels (fast, in the default run);
+  test_cpu_block_runs_as_written (-m slow) runs every CPU block as written (no smoke-size substitution,
+  CUDA_VISIBLE_DEVICES="", in document order in one copy of the repository), each command within
+  CPU_COMMAND_LIMIT_S and the block within CPU_TIME_FACTOR times its stated time, and prints the times.
 
 What is a command
   Each fenced block tagged bash, sh, shell or zsh is read line by line: lines ending in a backslash are joined,
@@ -21,7 +39,7 @@ Where a command runs
   works. Each block starts again from the markdown file's directory. A command passes when it exits with 0
   (diff: 0 or 1) under `set -o pipefail`, within DOCS_COMMAND_TIMEOUT seconds (default 300).
 
-The smoke-size substitution (what makes a 100-step GPU command a 3-second CPU command)
+The smoke-size substitution (what makes a 100-step GPU command a 3-second CPU command; test_doc_command)
   The environment of every command has WORKSHOP_SMOKE=1, TRITON_INTERPRET=1 and CUDA_VISIBLE_DEVICES=""
   (so even on a GPU machine everything runs on the CPU), and `python`, `python3`, `python3.X` and $PYTHON
   are a small shim placed first on PATH. When the shim is asked to run a script named tiny_llama_v*.py or
@@ -55,10 +73,12 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -236,6 +256,11 @@ class Block:
     language: str
     lines: list         # [(line number, text)]
     skip_reason: str | None
+    fence_line: int = 0   # the line of the opening fence
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.fence_line}"
 
 
 def fenced_blocks(path: str, text: str) -> list[Block]:
@@ -259,7 +284,7 @@ def fenced_blocks(path: str, text: str) -> list[Block]:
         if match:
             marker = SKIP_MARKER.match(last_nonblank)
             fence = match.group(1)
-            current = Block(path, match.group(2).lower(), [], marker.group(1) if marker else None)
+            current = Block(path, match.group(2).lower(), [], marker.group(1) if marker else None, number)
             continue
         opened = line.rfind("<!--")
         if opened != -1 and "-->" not in line[opened:]:
@@ -459,6 +484,7 @@ class DocCommand:
     text: str
     prelude: list       # state-changing commands of the same block that come before this one
     skip: str | None
+    block: Block | None = None   # the fenced block it comes from
 
     @property
     def where(self) -> str:
@@ -477,13 +503,83 @@ def collect_commands() -> list[DocCommand]:
             prelude = []
             for line, command in block_commands(block):
                 reason = f"marked in the document: {block.skip_reason}" if block.skip_reason else skip_reason(command)
-                commands.append(DocCommand(path, line, command, list(prelude), reason))
+                commands.append(DocCommand(path, line, command, list(prelude), reason, block))
                 if is_state_change(command):
                     prelude.append(command)
     return commands
 
 
 DOC_COMMANDS = collect_commands()
+
+
+# ------------------------------------------------------------------------------------------------------
+# Labels: where a block of commands is meant to run
+# ------------------------------------------------------------------------------------------------------
+CPU_LABEL = re.compile(r"^# CPU \(2 cores: about (\d+(?:\.\d+)?) (s|min)\)$")
+GPU_LABEL = re.compile(r"^# GPU(?: \([^()]*\))?$")
+LABEL_FORMS = "'# CPU (2 cores: about N s)', '# CPU (2 cores: about N min)', '# GPU' or '# GPU (...)'"
+CPU_COMMAND_LIMIT_S = 90   # one command of a CPU block, as written, on a 2-core machine
+CPU_TIME_FACTOR = 2        # a CPU block may take up to this multiple of the time its label states ...
+CPU_TIME_SLACK_S = 5       # ... plus this (start-up times of a few seconds vary the most)
+LAUNCHERS = {"torchrun", "deepspeed", "sbatch", "srun", "mpirun"}
+
+
+def workshop_file_names() -> dict[str, str]:
+    """{file name: path} of the workshop's scripts: the repository's .py and .sh files outside tests/."""
+    return {Path(name).name: name for name in repository_files()
+            if name.endswith((".py", ".sh")) and not name.startswith("tests/")}
+
+
+WORKSHOP_FILES = workshop_file_names()
+
+
+def workshop_scripts(text: str) -> list[str]:
+    """The workshop's scripts that a command runs: a repository .py file run by python (as a file or with -m),
+    a repository .sh file run by bash / sh / source or directly, or either started by torchrun and the like."""
+    try:
+        commands = simple_commands(shell_tokens(text))
+    except ValueError:
+        return []
+    found = []
+    for words in commands:
+        name = os.path.basename(words[0])
+        candidates = []
+        if name.startswith("python"):
+            _, target, _ = split_python_argv(words[1:])
+            if target is not None:
+                candidates = [target[1].replace(".", "/") + ".py"] if target[0] == "-m" else [target[0]]
+        elif name in ("bash", "sh", "source", "."):
+            candidates = [w for w in words[1:] if not w.startswith("-")][:1]
+        elif name in LAUNCHERS:
+            candidates = [w for w in words[1:] if w.endswith((".py", ".sh"))][:1]
+        else:
+            candidates = [words[0]]
+        found += [os.path.basename(c) for c in candidates if os.path.basename(c) in WORKSHOP_FILES
+                  and c.endswith((".py", ".sh"))]
+    return found
+
+
+def label_of(block: Block) -> tuple[str | None, float | None]:
+    """("cpu", seconds the label states) or ("gpu", None) from the block's first line; (None, None) without."""
+    first = block.lines[0][1].strip() if block.lines else ""
+    cpu = CPU_LABEL.match(first)
+    if cpu:
+        return "cpu", float(cpu.group(1)) * (60 if cpu.group(2) == "min" else 1)
+    if GPU_LABEL.match(first):
+        return "gpu", None
+    return None, None
+
+
+def blocks_of(commands: list[DocCommand]) -> list[tuple[Block, list[DocCommand]]]:
+    """The blocks that hold commands, in document order, each with its commands."""
+    grouped: dict[int, tuple[Block, list[DocCommand]]] = {}
+    for command in commands:
+        grouped.setdefault(id(command.block), (command.block, []))[1].append(command)
+    return list(grouped.values())
+
+
+DOC_BLOCKS = blocks_of(DOC_COMMANDS)
+CPU_BLOCKS = [(block, commands) for block, commands in DOC_BLOCKS if label_of(block)[0] == "cpu"]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -525,11 +621,22 @@ def allowed_exit_codes(text: str) -> set[int]:
     return {0}
 
 
-def run_command(command: DocCommand, repo: Path, env: dict) -> subprocess.CompletedProcess:
+def run_command(command: DocCommand, repo: Path, env: dict,
+                timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run one command (after its block's earlier state changes) with bash, from its document's directory. On
+    timeout the command's whole process group is stopped (not only bash: the scripts it started too), then
+    subprocess.TimeoutExpired is raised."""
     script = "\n".join(["set -o pipefail", *command.prelude, command.text]) + "\n"
     cwd = repo / Path(command.path).parent
-    return subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    with subprocess.Popen(["bash", "-c", script], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, stdin=subprocess.DEVNULL, start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def failure_report(command: DocCommand, result, tail: int = 40) -> str:
@@ -560,6 +667,91 @@ def test_doc_command(command: DocCommand, docs_sandbox):
         pytest.fail(f"{command.where}: still running after {TIMEOUT_S} s: {command.short()}", pytrace=False)
     if result.returncode not in allowed_exit_codes(command.text):
         pytest.fail(failure_report(command, result), pytrace=False)
+
+
+def test_workshop_commands_are_labelled():
+    """Every block that runs one of the workshop's scripts says on its first line where it is meant to run: on
+    a 2-core CPU as written, and in about how long, or on a GPU (see the module docstring)."""
+    unlabelled, wrong = [], []
+    for block, commands in DOC_BLOCKS:
+        scripts = sorted({script for c in commands for script in workshop_scripts(c.text)})
+        first = block.lines[0][1].strip() if block.lines else ""
+        if first.startswith(("# CPU", "# GPU")) and label_of(block)[0] is None:
+            wrong.append(f"{block.where}: {first!r}")
+        elif scripts and label_of(block)[0] is None:
+            unlabelled.append(f"{block.where} ({', '.join(scripts)})")
+    assert not wrong, f"labels not in one of the forms {LABEL_FORMS}: " + "; ".join(wrong)
+    assert not unlabelled, (f"{len(unlabelled)} blocks run workshop scripts without a CPU or GPU label on their "
+                            f"first line ({LABEL_FORMS}): " + "; ".join(unlabelled))
+
+
+def test_cpu_blocks_hold_only_commands_that_run_here():
+    """A CPU block is run as written by test_cpu_block_runs_as_written: nothing in it may need a GPU tool, a
+    server, the network or an installation, and its label promises about a minute per command at most."""
+    problems = [f"{c.where}: {c.skip}" for _, commands in CPU_BLOCKS for c in commands if c.skip]
+    problems += [f"{block.where}: the label states {label_of(block)[1]:g} s for {len(commands)} command(s)"
+                 for block, commands in CPU_BLOCKS
+                 if label_of(block)[1] > CPU_COMMAND_LIMIT_S * len(commands)]
+    assert CPU_BLOCKS, "no block of any document is labelled as a CPU block"
+    assert not problems, "; ".join(problems)
+
+
+@pytest.fixture(scope="session")
+def cpu_sandbox(tmp_path_factory):
+    """(a copy of the repository, the environment of a user's shell on a machine without a GPU): no smoke-size
+    shim, no TRITON_INTERPRET (the scripts choose the interpreter themselves), CUDA_VISIBLE_DEVICES="" so that
+    even a GPU machine runs everything on its CPU; `python` and `python3` start the interpreter running the tests."""
+    root = tmp_path_factory.mktemp("docs_cpu_commands")
+    repo = root / "repo"
+    for name in repository_files():
+        target = repo / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, target)
+    bin_dir = root / "bin"
+    bin_dir.mkdir()
+    for name in ("python", "python3"):
+        path = bin_dir / name
+        path.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    env = dict(os.environ)
+    for name in ("TT_NVTX", "PYTHONPATH", "TRITON_INTERPRET", "WORKSHOP_SMOKE", "PYTHON"):
+        env.pop(name, None)
+    env.update({"PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", "CUDA_VISIBLE_DEVICES": "",
+                "HIP_VISIBLE_DEVICES": "", "MPLBACKEND": "Agg", "PYTHONDONTWRITEBYTECODE": "1"})
+    return repo, env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block, commands", [pytest.param(b, c, id=b.where) for b, c in CPU_BLOCKS])
+def test_cpu_block_runs_as_written(block, commands, cpu_sandbox):
+    """Every CPU block, as written (no smoke sizes), on the CPU: each command within CPU_COMMAND_LIMIT_S, the
+    block within CPU_TIME_FACTOR times what its label states. The blocks run in document order in one copy of
+    the repository, so a CPU block may read what an earlier CPU block wrote (never what a GPU block writes: a
+    reader without a GPU runs only the CPU blocks). The times are printed (pytest -s or -rP shows them); with
+    TT_DOCS_CPU_TIMES=FILE they are also appended to FILE, one JSON line per command."""
+    repo, env = cpu_sandbox
+    stated = label_of(block)[1]
+    total, lines = 0.0, []
+    for command in commands:
+        started = time.perf_counter()
+        try:
+            result = run_command(command, repo, env, timeout=CPU_COMMAND_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{command.where}: still running after {CPU_COMMAND_LIMIT_S} s on the CPU: "
+                        f"{command.short()}", pytrace=False)
+        seconds = time.perf_counter() - started
+        if result.returncode not in allowed_exit_codes(command.text):
+            pytest.fail(failure_report(command, result), pytrace=False)
+        total += seconds
+        lines.append(f"  {seconds:6.1f} s  {command.where}  {command.short(90)}")
+        if os.environ.get("TT_DOCS_CPU_TIMES"):
+            with open(os.environ["TT_DOCS_CPU_TIMES"], "a") as record:
+                record.write(json.dumps({"file": command.path, "line": command.line, "command": command.text,
+                                         "seconds": round(seconds, 1), "label_s": stated}) + "\n")
+    print(f"\n{block.where}: {total:.1f} s as written (label: about {stated:g} s)\n" + "\n".join(lines))
+    assert total <= CPU_TIME_FACTOR * stated + CPU_TIME_SLACK_S, (
+        f"{block.where}: took {total:.0f} s on this CPU, more than {CPU_TIME_FACTOR}x the {stated:g} s its label "
+        f"states: measure it again and correct the label (or the command)")
 
 
 def test_few_commands_are_skipped():

@@ -9,9 +9,13 @@ import math
 import pytest
 import torch
 
+from tinytransformer import triton_support
 from tinytransformer.triton_support import interpreter_active
 from version3_triton.kernels import flash_attention as fa
 
+# The kernels' smallest blocks in Triton's interpreter (the fixture in conftest.py): small problems span several
+# blocks. A test of the blocks a CPU run gets says so.
+pytestmark = pytest.mark.usefixtures("small_interpreter_blocks")
 HAS_GPU = torch.cuda.is_available()
 # Relative error ||out - ref|| / ||ref|| allowed per input dtype (float32: exact float32 matmuls).
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -287,6 +291,32 @@ def test_packed_matches_reference(shape, dtype, use_rope, device):
 @pytest.mark.parametrize("use_rope", [False, True], ids=["plain", "rope"])
 def test_packed_non_causal_matches_reference(use_rope, device):
     check_packed_against_reference(2, 2, 37, 32, torch.float32, device, causal=False, use_rope=use_rope)
+
+
+@pytest.mark.parametrize("use_rope", [False, True], ids=["plain", "rope"])
+def test_packed_with_the_blocks_of_a_cpu_run(use_rope, monkeypatch, device):
+    """The blocks a CPU run takes in the interpreter (query and key blocks of up to 128, fitted to the sequence):
+    150 positions span two of each, the second one partial."""
+    monkeypatch.setattr(triton_support, "SMALL_INTERPRETER_BLOCKS", False)
+    check_packed_against_reference(2, 2, 150, 16, torch.float32, device, use_rope=use_rope)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_large_scores_warn_of_nothing(causal, device):
+    """Scores far above a row's log-sum-exp (large q and k, as with performance-debugging stage 1's std-1 weights):
+    the exponentials of the keys a row does not see overflow in lanes the kernels then drop; the results are
+    finite, and Triton's interpreter, which computes those lanes with NumPy, no longer warns about them."""
+    import warnings
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 37, 16, device=device) for _ in range(3))
+    q, k = (30 * t for t in (q, k))
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out = fa.flash_attention(q, k, v, causal=causal, precise_fp32=True)
+        out.backward(torch.randn_like(out))
+    for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        assert torch.isfinite(t).all(), name
 
 
 def check_packed_equals_unpacked(batch, heads, seq_len, head_dim, dtype, device, causal, use_rope):

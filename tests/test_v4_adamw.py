@@ -5,11 +5,16 @@ rounding to nearest: there the copies are checked to within one bfloat16 step, o
 import pytest
 import torch
 
+from tinytransformer import triton_support
 from tinytransformer.config import ModelConfig, TrainConfig
 from version4_triton_ultra.kernels import adamw
 from version4_triton_ultra.kernels.adamw import TritonAdamW
 
 from .v4_training import train_frozen_embedding
+
+# The kernels' smallest blocks in Triton's interpreter (the fixture in conftest.py): small problems span several
+# blocks. A test of the blocks a CPU run gets says so.
+pytestmark = pytest.mark.usefixtures("small_interpreter_blocks")
 
 # A parameter of several programs (BLOCK elements each) with a partial last one, a short one, a matrix.
 SHAPES = [(adamw.BLOCK + 904,), (13,), (64, 48), (3, 5, 7)]
@@ -67,6 +72,23 @@ def test_matches_torch_adamw_over_several_steps(tensor_lr, betas, device):
                 group["lr"] *= 0.5
     assert_same_training(params, reference, optimizer, reference_optimizer)
     assert float(optimizer.state[params[1]]["step"]) == 4.0
+
+
+def test_matches_torch_adamw_with_the_blocks_of_a_cpu_run(monkeypatch, device):
+    """In a CPU run of the interpreter a program updates up to INTERPRETER_BLOCK elements: a parameter one element
+    longer takes two programs, the others one each."""
+    monkeypatch.setattr(triton_support, "SMALL_INTERPRETER_BLOCKS", False)
+    generator = torch.Generator().manual_seed(5)
+    shapes = [(adamw.INTERPRETER_BLOCK + 1,), (13,), (64, 48)]
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(device)) for shape in shapes]
+    reference = clone_params(params)
+    optimizer = TritonAdamW(params, **HYPER)
+    reference_optimizer = torch.optim.AdamW(reference, **HYPER)
+    for step in range(3):
+        set_fresh_gradients(step, params, reference)
+        optimizer.step()
+        reference_optimizer.step()
+    assert_same_training(params, reference, optimizer, reference_optimizer)
 
 
 @pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])

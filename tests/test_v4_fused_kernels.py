@@ -17,12 +17,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tinytransformer import triton_support
 from version4_triton_ultra.kernels import add_rmsnorm as arn
 from version4_triton_ultra.kernels import embedding_backward as emb
 from version4_triton_ultra.kernels import linear_cross_entropy as lce
 from version4_triton_ultra.kernels import qkv_rope_gemm as qr
 from version4_triton_ultra.kernels import swiglu_gemm as sg
 
+# The kernels' smallest blocks in Triton's interpreter (the fixture in conftest.py): small problems span several
+# blocks. A test of the blocks a CPU run gets says so.
+pytestmark = pytest.mark.usefixtures("small_interpreter_blocks")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 EPS = 1e-6
 
@@ -634,6 +638,16 @@ def check_swiglu_gemm(n_rows, n_in, n_ffn, dtype, device, seed):
                          ids=["nothing a multiple of the tile", "one tile", "fewer rows than a tile"])
 def test_swiglu_gemm_matches_reference(n_rows, n_in, n_ffn, device):
     check_swiglu_gemm(n_rows, n_in, n_ffn, torch.float32, device, seed=191)
+
+
+def test_fused_kernels_with_the_blocks_of_a_cpu_run(monkeypatch, device):
+    """The tiles a CPU run takes in the interpreter (fitted to the problem, up to 128 rows x 256 columns x 256 deep
+    for the GEMMs; norm tiles of up to 16384 elements, all walked by one backward program): problems larger than
+    that span several tiles in every direction."""
+    monkeypatch.setattr(triton_support, "SMALL_INTERPRETER_BLOCKS", False)
+    check_swiglu_gemm(300, 300, 300, torch.float32, device, seed=195)
+    check_qkv_rope(3, 50, 6, 16, torch.float32, device, seed=215, n_in=300)
+    check_add_rms_norm((300, 200), torch.float32, device, seed=15)
 
 
 def test_swiglu_gemm_rejects_mismatched_operands(device):

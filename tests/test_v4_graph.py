@@ -102,3 +102,40 @@ def test_graph_with_a_frozen_embedding_trains_like_the_eager_step():
     losses = {graphed: train_frozen_embedding(graphed).losses for graphed in (True, False)}
     for g, e in zip(losses[True], losses[False]):
         assert g == pytest.approx(e, rel=1e-3)
+
+
+def v4_args(**overrides):
+    from types import SimpleNamespace
+    args = dict(device="auto", cuda_graph=True, weight_grad_stream=True, rope_in_attention=False, torch_adamw=False,
+                tf32=True, use_amp=None, deepspeed=None, deepspeed_config=None)
+    return SimpleNamespace(**{**args, **overrides})
+
+
+@pytest.mark.parametrize("tf32", [True, False], ids=["--tf32", "--no-tf32"])
+def test_header_on_the_cpu_says_exact_float32_in_the_interpreter(tf32, monkeypatch):
+    """Without a GPU (or with --device cpu) the header describes what runs: eager steps in Triton's interpreter and
+    exact float32 matmuls, whatever --tf32 says (TF32 is an NVIDIA GPU mode); with a GPU, the TF32 setting."""
+    from version4_triton_ultra import tiny_llama_v4 as v4
+    monkeypatch.setattr(v4, "interpreter_active", lambda: True)
+    for cpu in (v4_args(tf32=tf32, device="cpu"), v4_args(tf32=tf32)):
+        if cpu.device == "auto":
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        info = v4.describe(cpu)
+        assert "TF32 tensor cores" not in info["matmuls"] and info["matmuls"].startswith("exact float32")
+        assert "interpreter" in info["matmuls"] and "interpreter" in info["step"] and "graph" not in info["step"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(v4, "interpreter_active", lambda: False)
+    gpu = v4.describe(v4_args(tf32=tf32))
+    assert gpu["matmuls"] == ("TF32 tensor cores for float32" if tf32 else "exact float32")
+    assert gpu["step"].startswith("CUDA/HIP graph replay")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the header of a run on a machine without a GPU")
+def test_cpu_run_header_has_no_tf32_claim(tmp_path, capsys):
+    code = v4_main(["--hidden-dim", "32", "--num-heads", "2", "--num-layers", "1", "--intermediate-size", "32",
+                    "--vocab-size", "64", "--batch-size", "2", "--seq-len", "16", "--num-steps", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    matmuls = [line for line in out.splitlines() if line.startswith("matmuls")]
+    assert matmuls and "TF32 tensor cores" not in matmuls[0] and "exact float32" in matmuls[0], out
+    assert not out.startswith("No GPU found")   # nothing before the header: bad input stays one line

@@ -162,6 +162,23 @@ def check_compatible(model: ModelConfig, train: TrainConfig) -> None:
                           f"raise --max-seq-len")
 
 
+def head_dim_advice(model: ModelConfig, head_dims) -> str:
+    """Where a model's head dim comes from and which --num-heads would give one of `head_dims` (the head dims a
+    kernel supports), for an error message: "head dim = hidden_dim / num_heads = 64 / 8; --num-heads 4, 2 or 1
+    give 16, 32 or 64"."""
+    where = f"head dim = hidden_dim / num_heads = {model.hidden_dim} / {model.num_heads}"
+    choices = [(model.hidden_dim // dim, dim) for dim in sorted(head_dims) if model.hidden_dim % dim == 0]
+    if not choices:
+        return (f"{where}; no --num-heads gives one for --hidden-dim {model.hidden_dim}: "
+                f"use a multiple of {min(head_dims)}")
+
+    def listed(items):
+        items = [str(item) for item in items]
+        return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+    return (f"{where}; --num-heads {listed(heads for heads, _ in choices)} "
+            f"give{'s' if len(choices) == 1 else ''} {listed(dim for _, dim in choices)}")
+
+
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"extra"}
 

@@ -30,6 +30,37 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# The most programs a launch grid may have along its second and third axes (CUDA's limit on gridDim.y and z;
+# the first axis allows 2**31 - 1). Kernels that number something large along the second axis check it.
+MAX_GRID_SECOND_AXIS = 65535
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Block sizes in the interpreter
+# ----------------------------------------------------------------------------------------------------------
+# The interpreter runs a kernel's programs one after another, and every block operation of a program as a few
+# NumPy calls whose cost hardly depends on the block's size: a CPU step costs per program and per operation.
+# So there the kernels choose blocks that fit the problem (interpreter_block: up to a cap), and few programs
+# run. A GPU's choices are untouched by this: they are made on the other branch of each launch configuration.
+# Kernel tests set SMALL_INTERPRETER_BLOCKS (the `small_interpreter_blocks` fixture in tests/conftest.py):
+# each kernel then takes the smallest blocks it allows, so that a small test problem still spans several
+# blocks and exercises the loops and masks that a GPU's large blocks exercise on large problems.
+SMALL_INTERPRETER_BLOCKS = False
+
+
+def small_interpreter_blocks() -> bool:
+    """True when the interpreter's kernels should take their smallest blocks (kernel tests), False: blocks that
+    fit the problem (a CPU run)."""
+    return SMALL_INTERPRETER_BLOCKS
+
+
+def interpreter_block(n: int, smallest: int, largest: int) -> int:
+    """The interpreter's block for n elements: the power of two that covers them, within [smallest, largest]
+    (both powers of two), so that one block, or a few, cover the problem."""
+    covering = 1 << max(0, n - 1).bit_length()
+    return max(smallest, min(largest, covering))
+
+
 def is_rocm() -> bool:
     """True on AMD GPUs: PyTorch's ROCm build reports a HIP version and still uses the torch.cuda API."""
     return torch.version.hip is not None

@@ -27,7 +27,10 @@ from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa:
 enable_interpreter_if_no_gpu()  # without a GPU: Triton's interpreter, chosen before the kernels import triton
 
 from tinytransformer import kernel_bench as kb  # noqa: E402
-from version3_triton.kernels.flash_attention import SUPPORTED_HEAD_DIMS, flash_attention  # noqa: E402
+from version3_triton.kernels import flash_attention as attention_kernels  # noqa: E402
+from version3_triton.kernels import rmsnorm as rmsnorm_kernels  # noqa: E402
+from version3_triton.kernels import rope as rope_kernels  # noqa: E402
+from version3_triton.kernels.flash_attention import flash_attention  # noqa: E402
 from version3_triton.kernels.rmsnorm import rms_norm  # noqa: E402
 from version3_triton.kernels.rope import apply_rope, rope_tables  # noqa: E402
 from version3_triton.kernels.swiglu import swiglu_fused  # noqa: E402
@@ -52,7 +55,7 @@ RMSNORM = kb.OpBench(
         "bwd": ("3*N*D*e + 2*D*e + 4*N (read dy, x, weight, rstd; write dx, dweight)",
                 lambda s: 3 * s.N * s.D * s.e + 2 * s.D * s.e + 4 * s.N),
     },
-    validate=lambda s: None if s.D <= 8192 else f"the kernel holds a row in registers: hidden {s.D} > 8192",
+    validate=lambda s: rmsnorm_kernels.shape_problem(s.D),
 )
 
 
@@ -92,7 +95,7 @@ ROPE = kb.OpBench(
         "bwd": ("4*N*D*e + 8*S*Dh (read dq_rot, dk_rot, cos, sin; write dq, dk)",
                 lambda s: 4 * s.N * s.D * s.e + 8 * s.S * s.Dh),
     },
-    validate=lambda s: None if s.Dh % 2 == 0 else f"RoPE rotates pairs: head dim {s.Dh} must be even",
+    validate=lambda s: rope_kernels.shape_problem(s.Dh),
 )
 
 
@@ -153,8 +156,8 @@ FLASH_ATTENTION = kb.OpBench(
         "bwd": ("8*N*D*e + 4*B*H*S (read q, k, v, out, dout, lse; write dq, dk, dv)",
                 lambda s: 8 * s.N * s.D * s.e + 4 * s.B * s.H * s.S),
     },
-    validate=lambda s: None if s.Dh in SUPPORTED_HEAD_DIMS else
-    f"head dim {s.Dh} (= hidden / heads) not supported; the kernel takes {SUPPORTED_HEAD_DIMS}",
+    # [B, H, S, Dh] inputs: rows Dh elements apart.
+    validate=lambda s: attention_kernels.shape_problem(s.B * s.H, s.S, s.Dh, s.Dh),
     uses_tl_dot=True,
     tf32_dots=True,
     note="attention does ~2*B*H*S^2*Dh FLOPs forward (causal), so at long sequences it is compute-bound and "

@@ -30,11 +30,13 @@ from tinytransformer.triton_support import enable_interpreter_if_no_gpu, interpr
 
 enable_interpreter_if_no_gpu()  # must precede the first `import triton` (inside the kernel modules)
 
-from tinytransformer.cli import VersionSpec, run  # noqa: E402
-from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402
+from tinytransformer.cli import VersionSpec, build_parser, resolve_configs, run  # noqa: E402
+from tinytransformer.config import ConfigError, ModelConfig, head_dim_advice  # noqa: E402
 from tinytransformer.profiling import profile_range  # noqa: E402
 from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
                                      init_canonical_weights, split)
+from version3_triton.kernels import flash_attention as attention_kernels  # noqa: E402
+from version3_triton.kernels import rmsnorm as rmsnorm_kernels  # noqa: E402
 from version3_triton.kernels.flash_attention import flash_attention_packed  # noqa: E402
 from version3_triton.kernels.rmsnorm import rms_norm  # noqa: E402
 from version3_triton.kernels.rope import apply_rope_packed, rope_tables  # noqa: E402
@@ -161,6 +163,41 @@ class TinyLlama(nn.Module):
 # ----------------------------------------------------------------------------------------------------------
 # Command line: the shared harness, with the checks Triton needs
 # ----------------------------------------------------------------------------------------------------------
+def shape_problem(config: ModelConfig, batch_size: int, seq_len: int, gemm_dtype: torch.dtype = torch.float32
+                  ) -> str | None:
+    """Why version 3's kernels cannot train this model on batches of batch_size x seq_len tokens (one line that
+    names the sizes to change), or None when they can. Each rule is asked of the kernel module that enforces it
+    (flash attention: head dims, 32-bit offsets, grid; RMSNorm: row width), so that a bad size is reported
+    before anything is built instead of as a traceback from inside the first kernel launch. (gemm_dtype, the
+    GEMMs' autocast dtype, matters to version 4's own GEMMs; version 3's are the vendor BLAS's.)"""
+    problem = attention_kernels.shape_problem(batch_size * config.num_heads, seq_len, config.head_dim,
+                                              3 * config.hidden_dim)
+    if problem:
+        context = (head_dim_advice(config, attention_kernels.SUPPORTED_HEAD_DIMS)
+                   if "head dim" in problem else f"batch {batch_size} x {config.num_heads} heads, seq_len {seq_len}, "
+                                                 f"hidden_dim {config.hidden_dim}")
+        return f"version 3's Triton flash attention: {problem} ({context})"
+    problem = rmsnorm_kernels.shape_problem(config.hidden_dim)
+    if problem:
+        return f"version 3's Triton RMSNorm: {problem} (--hidden-dim)"
+    return None
+
+
+def shape_problem_of_args(args) -> str | None:
+    """shape_problem for the model and batch that this version's parsed command-line arguments describe (flags,
+    --config and --preset resolved as the harness resolves them)."""
+    config, train = resolve_configs(args)
+    return shape_problem(config, train.batch_size, train.seq_len)
+
+
+def shape_problem_of_flags(flags: list[str]) -> str | None:
+    """shape_problem for training flags meant for this script: for a script that starts it with them
+    (run_ultra_profiling.py, compare_versions.py), so that a bad size stops that script before its first run.
+    Flags of other versions are ignored; a flag this version refuses is a ConfigError."""
+    args, _ = build_parser(SPEC).parse_known_args(flags)
+    return shape_problem_of_args(args)
+
+
 def check_arguments(args, device):
     if device.type == "cpu" and not interpreter_active():
         raise ConfigError("version 3's Triton kernels were compiled for the GPU; for a CPU run start with "
@@ -168,10 +205,14 @@ def check_arguments(args, device):
     if device.type == "cpu" and args.use_amp:
         raise ConfigError("--use-amp with Triton's CPU interpreter is not supported: the interpreter computes "
                           "bfloat16 dot products wrongly; run float32 on the CPU or use a GPU")
+    problem = shape_problem_of_args(args)
+    if problem:
+        raise ConfigError(problem)
 
 
 def describe(args) -> dict:
-    mode = "Triton interpreter on the CPU (slow, for correctness)" if interpreter_active() else "compiled for the GPU"
+    mode = ("in Triton's CPU interpreter: correct but slow" if interpreter_active()
+            else "compiled for the GPU")
     info = {"kernels": f"Triton RMSNorm, RoPE, flash attention, SwiGLU ({mode}); GEMMs on the vendor BLAS"}
     if getattr(args, "stage", 5) != 5:
         from version3_triton import stages
@@ -207,9 +248,8 @@ SPEC = VersionSpec(name="v3", title="Triton kernels", build_model=build_model, a
 
 
 def main(argv=None):
-    if interpreter_active() and not torch.cuda.is_available():
-        print("No GPU found: Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1): "
-              "correct but slow; use small sizes.")
+    # Without a GPU the header says that the kernels run in Triton's CPU interpreter (describe); nothing is
+    # printed before the arguments are checked, so that bad input is one line.
     return run(SPEC, argv)
 
 

@@ -26,6 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser  # noqa: E402
+from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
+
+enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
+
+from version3_triton.kernels import flash_attention as fa  # noqa: E402
 
 KERNELS = ("forward", "dkdv", "dq")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,7 +71,7 @@ def parse_args(argv):
                            description="Time the flash-attention kernels under many launch configs.")
     parser.add_argument("--dtype", type=parse_list(tuple(DTYPES)), default=["float32", "bfloat16"],
                         help="comma-separated, from float32,bfloat16,float16 [float32,bfloat16]")
-    parser.add_argument("--head-dim", type=int, choices=(16, 32, 64, 128), default=32)
+    parser.add_argument("--head-dim", type=int, choices=fa.SUPPORTED_HEAD_DIMS, default=32)
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
                         help=f"batch x heads x sequence, comma-separated [{DEFAULT_SHAPES}]")
     parser.add_argument("--kernels", type=parse_list(KERNELS), default=list(KERNELS),
@@ -74,6 +79,10 @@ def parse_args(argv):
     parser.add_argument("--quick", action="store_true", help="12 configs per kernel instead of 60")
     parser.add_argument("--top", type=int, default=5, help="how many of the fastest configs to show [5]")
     args = parser.parse_args(argv)
+    for batch, heads, seq_len in args.shapes:   # laid out as version 4 calls the kernels: rows 3 * D apart
+        problem = fa.shape_problem(batch * heads, seq_len, args.head_dim, 3 * heads * args.head_dim)
+        if problem:
+            parser.error(f"shape {batch}x{heads}x{seq_len}: {problem}")
     if not torch.cuda.is_available():
         parser.error("needs a GPU (CUDA or ROCm): the CPU interpreter's timings say nothing about one")
     return args
@@ -159,7 +168,6 @@ def describe(config: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from version3_triton.kernels import flash_attention as fa
     configs = candidate_configs(args.quick)
     print(f"{torch.cuda.get_device_name()}: {len(configs)} configs per kernel, head dim {args.head_dim}, causal, "
           f"RoPE on load; times are medians of graph replays (us)")

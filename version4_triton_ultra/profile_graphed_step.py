@@ -86,16 +86,33 @@ def parse_args(argv):
     parser.add_argument("--steps", type=positive_int, default=200, help="timed replays [200]")
     parser.add_argument("--top", type=positive_int, default=45, help="kernel rows to print [45]")
     args = parser.parse_args(argv)
+    # Sizes the kernels cannot take are refused first, on any machine, in one line.
+    problem = shape_problem(args)
+    if problem:
+        parser.error(problem)
     if not torch.cuda.is_available():
         parser.error("needs a GPU (CUDA or ROCm): the step is a CUDA/HIP graph replay")
     return args
+
+
+def model_config(args) -> ModelConfig:
+    """The seed model, with room for --seq-len."""
+    return ModelConfig(max_seq_len=max(args.seq_len, ModelConfig().max_seq_len))
+
+
+def shape_problem(args) -> str | None:
+    """Version 4's shape rules (tiny_llama_v4.shape_problem) for the seed model at this batch and sequence."""
+    from version4_triton_ultra import tiny_llama_v4 as v4
+    gemm_dtype = torch.bfloat16 if args.use_amp else torch.float32
+    return v4.shape_problem(model_config(args), args.batch_size, args.seq_len, gemm_dtype,
+                            rope_in_qkv_gemm=not args.rope_in_attention)
 
 
 def build_step(args):
     """The model, its optimizer and version 4's GraphedStep, as the training script builds them."""
     from version4_triton_ultra import tiny_llama_v4 as v4
     set_tf32(True)    # the training script's default (--tf32)
-    config = ModelConfig(max_seq_len=max(args.seq_len, ModelConfig().max_seq_len))
+    config = model_config(args)
     train = TrainConfig(batch_size=args.batch_size, seq_len=args.seq_len, use_amp=args.use_amp,
                         amp_dtype="bfloat16")
     model = v4.TinyLlama(config)

@@ -30,7 +30,8 @@ from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa:
 enable_interpreter_if_no_gpu()  # without a GPU: Triton's interpreter, chosen before the kernels import triton
 
 from tinytransformer import kernel_bench as kb  # noqa: E402
-from version4_triton_ultra.kernels.add_rmsnorm import MAX_FEATURES, add_rms_norm, embedding_rms_norm  # noqa: E402
+from version4_triton_ultra.kernels import add_rmsnorm as norm_kernels  # noqa: E402
+from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm, embedding_rms_norm  # noqa: E402
 from version4_triton_ultra.kernels.embedding_backward import embedding_lookup  # noqa: E402
 from version4_triton_ultra.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 
@@ -39,7 +40,7 @@ EPS = 1e-6   # the model's RMSNorm epsilon
 
 def row_fits_in_registers(s):
     """The norm kernels hold a whole row in registers: None if the hidden size allows it, else why not."""
-    return None if s.D <= MAX_FEATURES else f"the kernel holds a row in registers: hidden {s.D} > {MAX_FEATURES}"
+    return norm_kernels.shape_problem(s.D)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -102,6 +102,23 @@ def print_table(results: dict) -> None:
           " GPU time per kernel family in microseconds)")
 
 
+def shape_problem(versions: list[str], train_flags: list[str]) -> str | None:
+    """Sizes that a Triton version's kernels cannot take (tiny_llama_v3/v4.shape_problem_of_flags), or training
+    flags it refuses: found before the first version runs, rather than after the versions before it."""
+    from tinytransformer.config import ConfigError
+    from tinytransformer.equivalence import load_version
+    for version in versions:
+        module = load_version(version)
+        if hasattr(module, "shape_problem_of_flags"):
+            try:
+                problem = module.shape_problem_of_flags(train_flags)
+            except ConfigError as error:
+                problem = f"{version}: {error}"
+            if problem:
+                return problem
+    return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--versions", default="v1,v2,v3,v4", help="comma-separated subset of v1,v2,v3,v4")
@@ -117,6 +134,10 @@ def main(argv=None) -> int:
         parser.exit(2, f"{parser.prog}: error: unknown version(s) {', '.join(unknown)}; use v1,v2,v3,v4\n")
     if args.use_amp:
         train_flags = ["--use-amp", "--amp-dtype", "bfloat16", *train_flags]
+    if not args.analyze_only:
+        problem = shape_problem(versions, train_flags)
+        if problem:
+            parser.exit(2, f"{parser.prog}: error: {problem}\n")
     out_dir = Path(args.analyze_only or args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}

@@ -52,13 +52,14 @@ from tinytransformer.triton_support import enable_interpreter_if_no_gpu, interpr
 
 enable_interpreter_if_no_gpu()  # must precede the first `import triton` (inside the kernel modules)
 
-from tinytransformer.cli import VersionSpec, run  # noqa: E402
-from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402
+from tinytransformer.cli import VersionSpec, build_parser, resolve_configs, run  # noqa: E402
+from tinytransformer.config import ConfigError, ModelConfig, head_dim_advice  # noqa: E402
 from tinytransformer.precision import set_tf32  # noqa: E402
 from tinytransformer.profiling import profile_range  # noqa: E402
 from tinytransformer.trainer import EagerStep  # noqa: E402
 from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
                                      init_canonical_weights, split)
+from version3_triton.kernels import flash_attention as attention_kernels  # noqa: E402
 from version3_triton.kernels.flash_attention import (flash_attention_packed, packed_attention_backward,  # noqa: E402
                                                      packed_attention_forward)
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
@@ -66,6 +67,9 @@ from version4_triton_ultra.kernels.adamw import TritonAdamW  # noqa: E402
 from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm, embedding_rms_norm  # noqa: E402
 from version4_triton_ultra.kernels.linear_cross_entropy import (  # noqa: E402
     accumulate_matmul, linear_cross_entropy, matmul_to_float32)
+from version4_triton_ultra.kernels import add_rmsnorm as norm_kernels  # noqa: E402
+from version4_triton_ultra.kernels import qkv_rope_gemm as qkv_kernels  # noqa: E402
+from version4_triton_ultra.kernels import swiglu_gemm as ffn_kernels  # noqa: E402
 from version4_triton_ultra.kernels.qkv_rope_gemm import qkv_rope  # noqa: E402
 from version4_triton_ultra.kernels.swiglu_gemm import down_swiglu_backward, gate_up_swiglu  # noqa: E402
 
@@ -662,6 +666,50 @@ def uses_graph(args, device) -> bool:
     return device.type == "cuda" and args.cuda_graph and not (args.use_amp and args.amp_dtype == "float16")
 
 
+def shape_problem(config: ModelConfig, batch_size: int, seq_len: int, gemm_dtype: torch.dtype = torch.float32,
+                  rope_in_qkv_gemm: bool = True) -> str | None:
+    """Why version 4's kernels cannot train this model on batches of batch_size x seq_len tokens whose GEMMs
+    compute in gemm_dtype (one line that names the sizes to change), or None when they can. Each rule is asked
+    of the kernel module that enforces it: flash attention (head dims, 32-bit offsets, grid), the fused norms
+    (row width), the QKV + RoPE GEMM (head dims, weight size, column tiles of whole heads, row blocks; only when
+    it runs, i.e. unless --rope-in-attention) and the feed-forward GEMMs (weight size, row blocks), so that a
+    bad size is reported before anything is built instead of as a traceback from inside a kernel launch."""
+    rows, dim, head_dim = batch_size * seq_len, config.hidden_dim, config.head_dim
+    sizes = f"batch {batch_size} x seq_len {seq_len} = {rows} rows, hidden_dim {dim}"
+    checks = [
+        ("flash attention", attention_kernels.shape_problem(batch_size * config.num_heads, seq_len, head_dim, 3 * dim),
+         f"batch {batch_size} x {config.num_heads} heads, seq_len {seq_len}, hidden_dim {dim}"),
+        ("QKV + RoPE GEMM", qkv_kernels.shape_problem(rows, dim, dim, head_dim, gemm_dtype) if rope_in_qkv_gemm
+         else None, sizes),
+        ("add + RMSNorm", norm_kernels.shape_problem(dim), "--hidden-dim"),
+        ("SwiGLU GEMMs", ffn_kernels.shape_problem(rows, dim, config.intermediate_size, gemm_dtype),
+         f"{sizes}, intermediate_size {config.intermediate_size}"),
+    ]
+    for kernel, problem, context in checks:
+        if problem:
+            if "head dim" in problem:
+                context = head_dim_advice(config, attention_kernels.SUPPORTED_HEAD_DIMS)
+            return f"version 4's Triton {kernel}: {problem} ({context})"
+    return None
+
+
+def shape_problem_of_args(args) -> str | None:
+    """shape_problem for the model, batch and precision that this version's parsed command-line arguments
+    describe (flags, --config and --preset resolved as the harness resolves them)."""
+    config, train = resolve_configs(args)
+    gemm_dtype = getattr(torch, train.amp_dtype) if train.use_amp else torch.float32
+    return shape_problem(config, train.batch_size, train.seq_len, gemm_dtype,
+                         rope_in_qkv_gemm=not getattr(args, "rope_in_attention", False))
+
+
+def shape_problem_of_flags(flags: list[str]) -> str | None:
+    """shape_problem for training flags meant for this script: for a script that starts it with them
+    (run_ultra_profiling.py, compare_versions.py), so that a bad size stops that script before its first run.
+    Flags of other versions are ignored; a flag this version refuses is a ConfigError."""
+    args, _ = build_parser(SPEC).parse_known_args(flags)
+    return shape_problem_of_args(args)
+
+
 def check_arguments(args, device):
     if device.type == "cpu" and not interpreter_active():
         raise ConfigError("version 4's Triton kernels were compiled for the GPU; for a CPU run start with "
@@ -671,6 +719,9 @@ def check_arguments(args, device):
                           "bfloat16 dot products wrongly; run float32 on the CPU or use a GPU")
     if args.graph_warmup_steps < 1:
         raise ConfigError("--graph-warmup-steps must be at least 1 (the optimizer state must exist before capture)")
+    problem = shape_problem_of_args(args)
+    if problem:
+        raise ConfigError(problem)
     if device.type == "cuda":
         set_tf32(args.tf32)
 
@@ -696,7 +747,7 @@ def describe(args) -> dict:
     if on_gpu and args.cuda_graph:
         step += ", weight gradients on " + ("a second stream" if args.weight_grad_stream else "the main stream")
     if interpreter_active():
-        step += " (Triton interpreter on the CPU: slow, for correctness)"
+        step += " (in Triton's CPU interpreter: correct but slow)"
     rope = "in the attention kernel, on load" if args.rope_in_attention else "in the QKV GEMM's epilogue"
     with_deepspeed = getattr(args, "deepspeed", None) or getattr(args, "deepspeed_config", None)
     if args.torch_adamw or with_deepspeed:   # DeepSpeed always gets torch's AdamW
@@ -705,8 +756,12 @@ def describe(args) -> dict:
         optimizer = "Triton AdamW, writing the 16-bit weight copies"
     else:
         optimizer = "Triton AdamW"
-    return {"step": step, "matmuls": "TF32 tensor cores for float32" if args.tf32 else "exact float32",
-            "RoPE": rope, "optimizer": optimizer}
+    if not on_gpu:
+        # On the CPU, PyTorch's matmuls and the interpreter's tl.dot (NumPy) both compute in IEEE float32.
+        matmuls = "exact float32 in PyTorch and Triton's CPU interpreter (TF32, --tf32, is for NVIDIA GPUs)"
+    else:
+        matmuls = "TF32 tensor cores for float32" if args.tf32 else "exact float32"
+    return {"step": step, "matmuls": matmuls, "RoPE": rope, "optimizer": optimizer}
 
 
 SPEC = VersionSpec(name="v4", title="Triton ultra-fused", build_model=build_model, add_arguments=add_arguments,
@@ -714,9 +769,8 @@ SPEC = VersionSpec(name="v4", title="Triton ultra-fused", build_model=build_mode
 
 
 def main(argv=None):
-    if interpreter_active() and not torch.cuda.is_available():
-        print("No GPU found: Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1): "
-              "correct but slow; use small sizes.")
+    # Without a GPU the header says that the kernels run in Triton's CPU interpreter (describe); nothing is
+    # printed before the arguments are checked, so that bad input is one line.
     return run(SPEC, argv)
 
 

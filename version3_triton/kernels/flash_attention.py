@@ -52,6 +52,7 @@ The packed one saves the transposes a model would otherwise copy around attentio
 [3, B, H, S, Dh] before it, [B, H, S, Dh] -> [B, S, H * Dh] after it, and both again in the backward pass.
 lse and delta: [B*H, S] float32 in both.
 """
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -59,7 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinytransformer.triton_support import interpreter_active, is_rocm
+from tinytransformer.triton_support import (MAX_GRID_SECOND_AXIS, interpreter_active, interpreter_block, is_rocm,
+                                            small_interpreter_blocks)
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -297,7 +299,10 @@ def _probabilities(q, k, lse2, rows, cols, seq_len, sm_scale, MASKED: tl.constex
     p = exp2(q k^T * sm_scale * log2(e) - lse2), with lse2 = lse * log2(e) from _load_lse2.
 
     Query rows past the end get exactly 0 without a mask: their lse is loaded as +inf (_load_lse2). MASKED
-    tiles also zero the keys a row must not see (past the end, or after the row when CAUSAL).
+    tiles also zero the keys a row must not see (past the end, or after the row when CAUSAL). They are masked
+    after the exponential: a key a row does not see is not in the row's lse, so its exp2 may overflow to inf,
+    which the select then drops (masking the scores first instead made this kernel about 2% slower on an H100;
+    see _run_backward for what the interpreter makes of the overflow).
     """
     scores2 = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (sm_scale * _LOG2E)
     p = tl.math.exp2(scores2 - lse2[:, None])
@@ -333,7 +338,7 @@ def _dkdv_from_query_block(k, v, dk, dv, Q, dOut, Lse, Delta, cols, row_start, s
     delta = tl.load(Delta + rows, mask=rows < seq_len, other=0.0)
 
     scores2_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * (sm_scale * _LOG2E)
-    p_t = tl.math.exp2(scores2_t - lse2[None, :])
+    p_t = tl.math.exp2(scores2_t - lse2[None, :])   # masked after the exponential, as in _probabilities
     if MASKED:
         p_t = tl.where(cols[:, None] <= rows[None, :], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
@@ -486,10 +491,15 @@ def _launch_config(head_dim: int, dtype: torch.dtype, seq_len: int, kernel: str)
     dtypes. On another GPU, run the tuner and compare.
     """
     if interpreter_active():
-        # The CPU interpreter executes every block operation in NumPy: small blocks keep tests fast (16 is
-        # the smallest size tl.dot accepts). Query and key blocks differ in size, as on a GPU, so that CPU
-        # tests also cover the loop bounds where they do not line up.
-        return dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1)
+        if small_interpreter_blocks():
+            # Kernel tests: the smallest blocks (16 is the smallest size tl.dot accepts), query and key blocks of
+            # different sizes as on a GPU, so that small test problems cover the loops and the loop bounds
+            # where they do not line up.
+            return dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1)
+        # A CPU run: each program's block operations run as NumPy calls, whose cost is per call, so one block
+        # of queries and one of keys cover a sequence of up to 128 (fewer programs, one pass of each loop).
+        block = interpreter_block(seq_len, 16, 128)
+        return dict(BLOCK_M=block, BLOCK_N=block, num_warps=1, num_stages=1)
     # A row of Dh elements of >= 256 bytes (float32 with Dh >= 64, 16-bit with Dh = 128): smaller tiles, so the
     # float32 accumulators fit in registers and the k/v tiles in shared memory (64 KiB of LDS on MI300).
     wide_rows = head_dim * dtype.itemsize >= 256
@@ -519,18 +529,35 @@ def _new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def shape_problem(batch_heads: int, seq_len: int, head_dim: int, row_stride: int) -> str | None:
+    """Why the kernels cannot take B*H = batch_heads sequences of seq_len rows of head_dim elements, consecutive
+    rows row_stride elements apart (Dh for [B, H, S, Dh], 3 * D for the packed qkv), in one line; None when
+    they can. The entry points raise it, and the scripts that build a model from a user's sizes check it first
+    (version 3's and version 4's check_arguments), so this is the one place these rules live:
+      - Dh is a power of two that tl.dot and tl.arange accept, and one the launch choices were made for;
+      - offsets within one head are 32-bit (see Addressing): S * row_stride < 2**31;
+      - the (batch, head) pairs number the grid's second axis, which allows MAX_GRID_SECOND_AXIS programs."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {head_dim} not supported; use one of {SUPPORTED_HEAD_DIMS}"
+    if seq_len * row_stride >= 2**31:
+        return (f"offsets within one head are 32-bit, so S * row stride = {seq_len} * {row_stride} must stay "
+                f"below 2**31")
+    if batch_heads > MAX_GRID_SECOND_AXIS:
+        return (f"batch x heads = {batch_heads} (batch, head) pairs, more than the {MAX_GRID_SECOND_AXIS} programs "
+                f"the grid's second axis allows")
+    return None
+
+
 def _check_problem(dtype: torch.dtype, batch_heads: int, seq_len: int, head_dim: int, row_stride: int, rope,
                    shape) -> None:
     """Checks shared by both entry points, once the layout has given B*H, S, Dh and the largest row stride."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype {dtype} not supported; use one of {SUPPORTED_DTYPES}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim {head_dim} not supported; use one of {SUPPORTED_HEAD_DIMS}")
     if seq_len < 1 or batch_heads < 1:
         raise ValueError(f"empty input {tuple(shape)}")
-    if seq_len * row_stride >= 2**31:
-        raise ValueError(f"input {tuple(shape)} too large: offsets within one head are 32-bit, so "
-                         f"S * row stride = {seq_len} * {row_stride} must stay below 2**31")
+    problem = shape_problem(batch_heads, seq_len, head_dim, row_stride)
+    if problem:
+        raise ValueError(f"input {tuple(shape)}: {problem}")
     if rope is not None:
         cos, sin = rope
         for name, table in (("cos", cos), ("sin", sin)):
@@ -632,7 +659,25 @@ def _run_backward(problem: _Problem, q, k, v, out, lse, cos, sin, grad_out, dq, 
     out with respect to the unrotated inputs."""
     batch_heads, seq_len = problem.batch * problem.heads, problem.seq_len
     rope = cos is not None
+    with _masked_lanes_may_overflow():
+        _launch_backward(problem, q, k, v, out, lse, cos, sin, grad_out, dq, dk, dv, batch_heads, seq_len, rope)
 
+
+def _masked_lanes_may_overflow():
+    """Around the backward launches: in Triton's CPU interpreter, NumPy's overflow warnings are off. The backward
+    kernels compute exp2(score - lse) for every pair of a tile, also for the keys a row does not see (which are
+    not in its lse, so their exp2 may overflow to inf) and only then zero those lanes, which costs less on a GPU
+    than masking first (_probabilities). A GPU computes the inf and drops it silently; NumPy, computing the same
+    lanes, warned "overflow encountered in exp2" whenever scores were large (performance-debugging stage 1's
+    std-1 weights), about values that never reach a result. On a GPU this is a no-op."""
+    if not interpreter_active():
+        return contextlib.nullcontext()
+    import numpy as np
+    return np.errstate(over="ignore")
+
+
+def _launch_backward(problem: _Problem, q, k, v, out, lse, cos, sin, grad_out, dq, dk, dv, batch_heads: int,
+                     seq_len: int, rope: bool) -> None:
     # The dq kernel runs first: it also writes delta = rowsum(dO * O), which the dk/dv kernel reads.
     delta = _new_buffer((batch_heads, seq_len), torch.float32, q.device)
     common = dict(HEAD_DIM=problem.head_dim, CAUSAL=problem.causal, ROPE=rope, DOT_PRECISION=problem.precision)

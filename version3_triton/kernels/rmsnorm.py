@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinytransformer.triton_support import multiprocessor_count, num_warps_for
+from tinytransformer.triton_support import (interpreter_block, multiprocessor_count, num_warps_for,
+                                            small_interpreter_blocks)
 
 # ------------------------------------------------------------------------------------------------ kernels
 
@@ -116,16 +117,33 @@ def _rms_norm_backward_kernel(
 # ------------------------------------------------------------------------------------------------ launchers
 
 
+# The widest row: one program holds a whole row in registers; beyond this it would need a loop over column chunks.
+MAX_ROW_ELEMENTS = 8192
+
+
+def shape_problem(n_cols: int) -> str | None:
+    """Why the kernels cannot normalise rows of n_cols elements (one line), or None when they can. The launchers
+    raise it; the training scripts check a model's width with it before building anything."""
+    if n_cols > MAX_ROW_ELEMENTS:
+        return f"rms_norm supports rows of at most {MAX_ROW_ELEMENTS} elements, got {n_cols}"
+    return None
+
+
 def _block_size(n_cols: int) -> int:
-    if n_cols > 8192:
-        # Beyond this a row no longer fits comfortably in registers; it would need a loop over column chunks.
-        raise ValueError(f"rms_norm supports rows of at most 8192 elements, got {n_cols}")
+    problem = shape_problem(n_cols)
+    if problem:
+        raise ValueError(problem)
     return triton.next_power_of_2(n_cols)
 
 
-def _backward_rows_per_tile(block_size: int, device: torch.device) -> int:
-    """About 4096 elements per tile (it stays in registers); 4 rows in the interpreter, enough to test masking."""
-    return 4 if device.type != "cuda" else max(1, min(16, 4096 // block_size))
+def _backward_rows_per_tile(block_size: int, n_rows: int, device: torch.device) -> int:
+    """About 4096 elements per tile (it stays in registers). In the interpreter, 4 rows for kernel tests (enough
+    to test masking), else all the rows in as few tiles of up to 16384 elements as possible (few programs)."""
+    if device.type == "cuda":
+        return max(1, min(16, 4096 // block_size))
+    if small_interpreter_blocks():
+        return 4
+    return interpreter_block(n_rows, 1, max(1, 16384 // block_size))
 
 
 def _backward_program_count(n_tiles: int, device: torch.device) -> int:
@@ -176,7 +194,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     if n_rows == 0:
         return dx, torch.zeros_like(weight)
     block_size = _block_size(n_cols)
-    block_rows = _backward_rows_per_tile(block_size, x.device)
+    block_rows = _backward_rows_per_tile(block_size, n_rows, x.device)
     n_programs = _backward_program_count(triton.cdiv(n_rows, block_rows), x.device)
     dweight_partial = torch.empty(n_cols, n_programs, dtype=torch.float32, device=x.device)
     _rms_norm_backward_kernel[(n_programs,)](

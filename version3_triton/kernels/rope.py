@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinytransformer.triton_support import num_warps_for
+from tinytransformer.triton_support import interpreter_active, num_warps_for, small_interpreter_blocks
 
 # ------------------------------------------------------------------------------------------------ kernels
 
@@ -130,8 +130,25 @@ def _rope_kernel(
 # ------------------------------------------------------------------------------------------------ launchers
 
 # Elements of one tensor (both halves) that one program rotates: large enough to amortise the index arithmetic
-# and keep many loads in flight, small enough to stay in registers.
+# and keep many loads in flight, small enough to stay in registers. In Triton's CPU interpreter, where a CPU
+# run pays per program and per block operation, up to _INTERPRETER_ELEMENTS_PER_PROGRAM (kernel tests keep the
+# GPU's number, so that their small problems span several programs).
 _ELEMENTS_PER_PROGRAM = 2048
+_INTERPRETER_ELEMENTS_PER_PROGRAM = 32768
+
+
+def shape_problem(head_dim: int) -> str | None:
+    """Why the kernel cannot rotate heads of head_dim features (one line), or None when it can: RoPE turns
+    pairs (x1[i], x2[i]) of the two halves of a head, so a head has an even number of features."""
+    if head_dim % 2:
+        return f"RoPE rotates pairs of features: head dim {head_dim} must be even"
+    return None
+
+
+def _check_head_dim(head_dim: int) -> None:
+    problem = shape_problem(head_dim)
+    if problem:
+        raise ValueError(problem)
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0, device=None):
@@ -141,7 +158,7 @@ def rope_tables(seq_len: int, head_dim: int, theta: float = 10000.0, device=None
     The angles are computed in float64 and rounded once at the end: in float32, pos * freq would already
     carry an error of about pos * 6e-8 radians before the cos and sin.
     """
-    assert head_dim % 2 == 0, "RoPE rotates pairs of features: head_dim must be even"
+    _check_head_dim(head_dim)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim  # 2i / Dh
     freqs = theta ** (-exponents)                                             # [Dh/2]
     positions = torch.arange(seq_len, dtype=torch.float64)
@@ -166,7 +183,9 @@ def _launch(tensors, outputs, cos, sin, n_q_rows, n_k_rows, seq_len, head_dim, r
         return
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
-    block_rows = max(1, min(_ELEMENTS_PER_PROGRAM // (2 * block_half), triton.next_power_of_2(n_rows)))
+    elements = (_INTERPRETER_ELEMENTS_PER_PROGRAM if interpreter_active() and not small_interpreter_blocks()
+                else _ELEMENTS_PER_PROGRAM)
+    block_rows = max(1, min(elements // (2 * block_half), triton.next_power_of_2(n_rows)))
     q, k = tensors[:2]
     v = tensors[2] if len(tensors) == 3 else q          # placeholder without v: never read (grid axis of 2)
     q_out, k_out = outputs[:2]
@@ -185,7 +204,7 @@ def _launch_rope(q, k, cos, sin, q_out, k_out, inverse: bool):
     assert q.dim() == 4 and k.dim() == 4 and q.shape[-2:] == k.shape[-2:] and q.dtype == k.dtype, \
         "q and k must be [batch, heads, seq, head_dim] with the same seq, head_dim and dtype"
     seq_len, head_dim = q.shape[-2:]
-    assert head_dim % 2 == 0
+    _check_head_dim(head_dim)
     cos, sin = _float32_tables(cos, sin, seq_len, head_dim)
     q_out = torch.empty_like(q) if q_out is None else q_out
     k_out = torch.empty_like(k) if k_out is None else k_out
@@ -201,7 +220,7 @@ def _launch_rope_packed(qkv, num_heads: int, cos, sin, out, inverse: bool):
     assert width % (3 * num_heads) == 0, f"width {width} is not 3 * num_heads ({num_heads}) * head_dim"
     dim = width // 3
     head_dim = dim // num_heads
-    assert head_dim % 2 == 0
+    _check_head_dim(head_dim)
     cos, sin = _float32_tables(cos, sin, seq_len, head_dim)
     out = torch.empty_like(qkv) if out is None else out
     assert out.shape == qkv.shape and out.is_contiguous() and out.dtype == qkv.dtype

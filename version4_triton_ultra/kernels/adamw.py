@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tinytransformer.triton_support import interpreter_active, small_interpreter_blocks
 from version4_triton_ultra.kernels.add_rmsnorm import _is_last_to_arrive
 
 # Elements per program, and warps: 4 elements per thread on NVIDIA (32-thread warps), 2 on AMD CDNA (64-thread
@@ -49,6 +50,9 @@ from version4_triton_ultra.kernels.add_rmsnorm import _is_last_to_arrive
 # 40.8 us, 4096: 48.3 us at best); torch's fused AdamW 48.2 us, plus 13.4 us for its separate copy.
 BLOCK = 1024
 NUM_WARPS = 8
+# Elements per program in Triton's CPU interpreter, where a CPU run pays per program (kernel tests keep BLOCK, so
+# that their parameters span several programs): about one program per parameter of a small model.
+INTERPRETER_BLOCK = 65536
 # Rows of the per-tensor address table, in this order.
 ADDRESS_ROWS = ("param", "grad", "exp_avg", "exp_avg_sq", "step", "copy")
 
@@ -233,17 +237,20 @@ class TritonAdamW(torch.optim.Optimizer):
             tables["numel"].numel(), tables["programs"],
             0.0 if lr_in_memory else float(lr), lr if lr_in_memory else tables["numel"],
             float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-            LR_IN_MEMORY=lr_in_memory, COPY_DTYPE=tables["copy_dtype"], BLOCK=BLOCK, num_warps=NUM_WARPS)
+            LR_IN_MEMORY=lr_in_memory, COPY_DTYPE=tables["copy_dtype"], BLOCK=tables["block"],
+            num_warps=NUM_WARPS)
 
 
 def _block_tables(numels, device) -> dict:
-    """Which tensor and which first element each program takes: ceil(numel / BLOCK) programs per tensor."""
+    """Which tensor and which first element each program takes: ceil(numel / block) programs per tensor, with
+    block = BLOCK (INTERPRETER_BLOCK in a CPU run of the interpreter)."""
+    block = INTERPRETER_BLOCK if interpreter_active() and not small_interpreter_blocks() else BLOCK
     block_tensor, block_start = [], []
     for tensor, numel in enumerate(numels):
-        for start in range(0, numel, BLOCK):
+        for start in range(0, numel, block):
             block_tensor.append(tensor)
             block_start.append(start)
-    return {"programs": len(block_tensor),
+    return {"programs": len(block_tensor), "block": block,
             "block_tensor": torch.tensor(block_tensor, dtype=torch.int32, device=device),
             "block_start": torch.tensor(block_start, dtype=torch.int64, device=device),
             "numel": torch.tensor(numels, dtype=torch.int64, device=device),

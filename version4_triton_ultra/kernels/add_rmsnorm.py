@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinytransformer.triton_support import interpreter_active, is_rocm, multiprocessor_count, num_warps_for
+from tinytransformer.triton_support import (interpreter_active, interpreter_block, is_rocm, multiprocessor_count,
+                                            num_warps_for, small_interpreter_blocks)
 from version4_triton_ultra.kernels.embedding_backward import embedding_backward, embedding_lookup
 
 # One program holds a whole row in registers; beyond this many features it would spill.
@@ -240,18 +241,31 @@ def _new_output(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _block_size(n_features):
+def shape_problem(n_features: int) -> str | None:
+    """Why the kernels cannot normalise rows of D = n_features (one line), or None when they can. The launchers
+    raise it; version 4's check_arguments asks it about a model's width before anything is built."""
     if n_features > MAX_FEATURES:
-        raise ValueError(f"add_rms_norm holds a whole row in one block; D={n_features} exceeds "
-                         f"MAX_FEATURES={MAX_FEATURES}")
+        return f"add_rms_norm holds a whole row in one block; D={n_features} exceeds MAX_FEATURES={MAX_FEATURES}"
+    return None
+
+
+def _block_size(n_features):
+    problem = shape_problem(n_features)
+    if problem:
+        raise ValueError(problem)
     return triton.next_power_of_2(n_features)
+
+
+# In the interpreter (a CPU run), a tile of up to this many elements: few programs (see
+# tinytransformer/triton_support.py, "Block sizes in the interpreter").
+INTERPRETER_TILE_ELEMENTS = 16384
 
 
 # Elements of a forward program's [rows, D] tile (at least one whole row).
 FORWARD_TILE_ELEMENTS = 1024
 
 
-def _forward_tile(block_d):
+def _forward_tile(block_d, n_rows):
     """(rows per program, warps) of the forward kernel: whole rows, about FORWARD_TILE_ELEMENTS per program.
 
     At D = 256, 4 rows and 4 warps per program instead of one row and one warp: each call alone took the same
@@ -260,7 +274,9 @@ def _forward_tile(block_d):
     477.4 -> 467.9 us, float32 634.0 -> 632.2 us.
     """
     if interpreter_active():
-        return 4, 1   # several rows per program, and a partial last tile, exercised on the CPU too
+        if small_interpreter_blocks():
+            return 4, 1   # kernel tests: several rows per program, and a partial last tile, exercised on the CPU
+        return interpreter_block(n_rows, 1, max(1, INTERPRETER_TILE_ELEMENTS // block_d)), 1
     rows = max(1, FORWARD_TILE_ELEMENTS // block_d)
     return rows, num_warps_for(rows * block_d)
 
@@ -285,8 +301,9 @@ def _backward_tile(block_d, n_rows, device):
     the cap stays 8.
     """
     if interpreter_active():
-        # The interpreter: small tiles that still exercise the masking of a partial last tile.
-        return 4, 1
+        if small_interpreter_blocks():
+            return 4, 1   # kernel tests: small tiles that still exercise the masking of a partial last tile
+        return interpreter_block(n_rows, 1, max(1, INTERPRETER_TILE_ELEMENTS // block_d)), 1
     rows = max(1, min(16, 4096 // block_d))
     programs, _ = _backward_program_count(n_rows, rows, device)
     if block_d <= 256 and n_rows > programs * rows:
@@ -304,8 +321,10 @@ def _backward_program_count(n_rows, block_rows, device):
     """
     if device.type == "cuda" and not interpreter_active():
         target = 4 * multiprocessor_count(device)
-    else:
+    elif small_interpreter_blocks():
         target = 4  # the interpreter runs programs one after another: a few are enough to test the loop
+    else:
+        target = 1  # a CPU run: one program walks all the tiles (the interpreter costs per program)
     target = min(target, triton.cdiv(n_rows, block_rows))
     rows_per_program = triton.cdiv(n_rows, target)
     return triton.cdiv(n_rows, rows_per_program), rows_per_program
@@ -344,7 +363,7 @@ def _rms_norm_forward(x, delta, weight, eps, stream_dtype, normed_dtype, ids=Non
     rstd = _new_output((n_rows,), torch.float32, x.device)
     if n_rows > 0:
         block_d = _block_size(n_features)
-        block_rows, num_warps = _forward_tile(block_d)
+        block_rows, num_warps = _forward_tile(block_d, n_rows)
         # x stands in for the pointers a launch does not use: the kernel never touches them.
         _add_rms_norm_forward_kernel[(triton.cdiv(n_rows, block_rows),)](
             x, delta if has_delta else x, weight, ids if gather else x, new_residual if writes_residual else x,

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinytransformer.triton_support import num_warps_for
+from tinytransformer.triton_support import interpreter_active, num_warps_for, small_interpreter_blocks
 
 # Largest block of vocabulary entries one program handles at a time (the row loops over blocks this long).
 MAX_BLOCK_V = 4096
@@ -200,6 +200,7 @@ def mean_loss(row_loss, targets, ignore_index=-100):
 
 
 SCALE_BLOCK = 4096   # elements per program of the scaling kernel
+INTERPRETER_SCALE_BLOCK = 65536   # in a CPU run of Triton's interpreter, which pays per program
 
 
 def scaled_pair(a, a_dtype, b, b_dtype, grad_output, inv_count):
@@ -217,11 +218,12 @@ def scaled_pair(a, a_dtype, b, b_dtype, grad_output, inv_count):
     b_in, b_to = (b, b_out) if b is not None else (a, a)
     a_elements = a.numel() if a is not None else 0
     b_elements = b.numel() if b is not None else 0
-    a_programs = triton.cdiv(a_elements, SCALE_BLOCK)
-    n_programs = a_programs + triton.cdiv(b_elements, SCALE_BLOCK)
+    block = INTERPRETER_SCALE_BLOCK if interpreter_active() and not small_interpreter_blocks() else SCALE_BLOCK
+    a_programs = triton.cdiv(a_elements, block)
+    n_programs = a_programs + triton.cdiv(b_elements, block)
     if n_programs > 0:
         _scale_pair_kernel[(n_programs,)](a_in, a_to, a_elements, a_programs, b_in, b_to, b_elements,
-                                          grad_output, inv_count, BLOCK=SCALE_BLOCK, num_warps=8)
+                                          grad_output, inv_count, BLOCK=block, num_warps=8)
     return a_out, b_out
 
 

@@ -21,13 +21,14 @@ compute.
 The backward pass needs no kernel here: the attention backward returns dq and dk rotated back (the transpose
 of the rotation), which are the gradients of the GEMM's unrotated output, and the GEMM's backward is two
 ordinary vendor GEMMs. Offsets into the activations are int64; into the weights int32 (weights of up to
-2**31 elements).
+2**31 elements; shape_problem says so before a model is built).
 """
 import torch
 import triton
 import triton.language as tl
 
-from tinytransformer.triton_support import interpreter_active, is_rocm, shared_memory_per_program
+from tinytransformer.triton_support import (interpreter_active, interpreter_block, is_rocm, shared_memory_per_program,
+                                            small_interpreter_blocks)
 from version3_triton.kernels.flash_attention import _rotate_half
 from version4_triton_ultra.kernels.swiglu_gemm import MAX_ROW_BLOCKS, SUPPORTED_DTYPES, dot_precision
 
@@ -87,14 +88,22 @@ def _new_output(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _launch_config(dtype: torch.dtype, n_rows: int, head_dim: int) -> dict:
-    """Tiles, warps and pipeline stages; BLOCK_N holds whole heads. From a sweep of 12 configs on an H100 (hidden
-    256, head dim 32; N = 1024 and 16384 rows), the kernel alone replayed from a graph: the fastest, or within
-    5% of it. Beside cuBLAS's plain QKV GEMM: 23.4 vs 17.2 us at N = 16384 in bfloat16, 4.2 vs 3.2 us at
-    N = 1024; in float32 (TF32) 5.6 vs 7.0 us. On another GPU the best choice may differ."""
+def _launch_config(dtype: torch.dtype, n_rows: int, head_dim: int, width: int = 0, n_in: int = 0) -> dict:
+    """Tiles, warps and pipeline stages for n_rows rows of width = 3D output columns and an inner dimension of
+    n_in; BLOCK_N holds whole heads. On a GPU, from a sweep of 12 configs on an H100 (hidden 256, head dim 32;
+    N = 1024 and 16384 rows), the kernel alone replayed from a graph: the fastest, or within 5% of it. Beside
+    cuBLAS's plain QKV GEMM: 23.4 vs 17.2 us at N = 16384 in bfloat16, 4.2 vs 3.2 us at N = 1024; in float32
+    (TF32) 5.6 vs 7.0 us. On another GPU the best choice may differ."""
     if interpreter_active():
-        # NumPy executes every block operation: small tiles keep CPU tests quick (16 is tl.dot's minimum).
-        return dict(BLOCK_M=16, BLOCK_N=max(16, head_dim), BLOCK_K=16, num_warps=1, num_stages=1)
+        if small_interpreter_blocks():
+            # Kernel tests: the smallest tiles (16 is tl.dot's minimum), so small problems span several tiles.
+            return dict(BLOCK_M=16, BLOCK_N=max(16, head_dim), BLOCK_K=16, num_warps=1, num_stages=1)
+        # A CPU run: NumPy executes each block operation of each program, at a cost per call, so tiles as large
+        # as the problem (up to 128 rows x 256 columns, 256 deep; powers of two, so whole heads) leave few
+        # programs and few loop iterations.
+        return dict(BLOCK_M=interpreter_block(n_rows, 16, 128),
+                    BLOCK_N=interpreter_block(width, max(16, head_dim), 256),
+                    BLOCK_K=interpreter_block(n_in, 16, 256), num_warps=1, num_stages=1)
     # AMD GPUs have 64 KiB of shared memory per compute unit (an H100 228 KiB): fewer stages there, and
     # _fit_shared_memory makes the tiles shallower where they would not fit.
     stages = 2 if is_rocm() else 3
@@ -117,6 +126,43 @@ def _fit_shared_memory(config: dict, itemsize: int, budget: int) -> dict:
     return config
 
 
+# Offsets into the weight are int32 (see the module docstring): its 3D x K elements must stay addressable.
+MAX_WEIGHT_ELEMENTS = 2**31
+
+
+def _config_problem(n_rows: int, head_dim: int, config: dict) -> str | None:
+    if config["BLOCK_N"] % head_dim:
+        return f"the column tile ({config['BLOCK_N']}) must hold whole heads of {head_dim}"
+    row_blocks = triton.cdiv(n_rows, config["BLOCK_M"])
+    if row_blocks > MAX_ROW_BLOCKS:
+        return (f"{n_rows} rows need {row_blocks} row blocks of {config['BLOCK_M']}; the grid allows "
+                f"{MAX_ROW_BLOCKS}: use a smaller batch x sequence")
+    return None
+
+
+def _head_dim_problem(head_dim: int) -> str | None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {head_dim} not supported; use one of {SUPPORTED_HEAD_DIMS}"
+    return None
+
+
+def _weight_problem(width: int, n_in: int) -> str | None:
+    if width * n_in > MAX_WEIGHT_ELEMENTS:
+        return (f"the QKV weight [3D, K] = [{width}, {n_in}] has more than 2**31 elements, and the kernel's offsets "
+                f"into it are 32-bit")
+    return None
+
+
+def shape_problem(n_rows: int, n_in: int, dim: int, head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot compute the rotated qkv [N, 3D] of N = n_rows rows from an inner dimension K = n_in
+    with heads of head_dim in dtype (one line), or None when it can: the head dims it supports, the weight's
+    32-bit offsets, and its launch choice on this machine (column tiles of whole heads, row blocks within the
+    grid's limit). qkv_rope raises it; version 4's check_arguments asks it before anything is built."""
+    config = _launch_config(dtype, n_rows, head_dim, 3 * dim, n_in)
+    return (_head_dim_problem(head_dim) or _weight_problem(3 * dim, n_in)
+            or _config_problem(n_rows, head_dim, config))
+
+
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_len: int,
              head_dim: int) -> torch.Tensor:
     """qkv = x @ weight^T with its q and k heads rotated by RoPE.
@@ -130,8 +176,9 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
                          f"{list(x.shape)} and {weight.dtype} {list(weight.shape)}")
     n_rows, n_in = x.shape
     width = weight.shape[0]
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim {head_dim} not supported; use one of {SUPPORTED_HEAD_DIMS}")
+    problem = _head_dim_problem(head_dim)
+    if problem:
+        raise ValueError(problem)
     if weight.shape[1] != n_in or width % 3 or (width // 3) % head_dim:
         raise ValueError(f"weight must be [3D, {n_in}] with D a multiple of head_dim {head_dim}; "
                          f"got {list(weight.shape)}")
@@ -141,22 +188,19 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
         if table.dim() != 2 or table.shape[0] < seq_len or table.shape[1] != head_dim:
             raise ValueError(f"rope {name} table must be [>= {seq_len}, {head_dim}]; got {list(table.shape)}")
     dim = width // 3
-    config = _launch_config(x.dtype, n_rows, head_dim)
+    config = _launch_config(x.dtype, n_rows, head_dim, width, n_in)
     if not interpreter_active():
         device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         config = _fit_shared_memory(config, x.element_size(), shared_memory_per_program(device_index))
-    if config["BLOCK_N"] % head_dim:
-        raise ValueError(f"the column tile ({config['BLOCK_N']}) must hold whole heads of {head_dim}")
+    problem = _weight_problem(width, n_in) or _config_problem(n_rows, head_dim, config)
+    if problem:
+        raise ValueError(problem)
     x, weight = x.contiguous(), weight.contiguous()
     cos, sin = (table[:seq_len].to(device=x.device, dtype=torch.float32).contiguous() for table in (cos, sin))
     qkv = _new_output((n_rows, width), x.dtype, x.device)
     if n_rows == 0:
         return qkv
-    row_blocks = triton.cdiv(n_rows, config["BLOCK_M"])
-    if row_blocks > MAX_ROW_BLOCKS:
-        raise ValueError(f"{n_rows} rows need {row_blocks} row blocks of {config['BLOCK_M']}; the grid allows "
-                         f"{MAX_ROW_BLOCKS}: use a smaller batch x sequence")
-    grid = (triton.cdiv(width, config["BLOCK_N"]), row_blocks)
+    grid = (triton.cdiv(width, config["BLOCK_N"]), triton.cdiv(n_rows, config["BLOCK_M"]))
     _qkv_rope_kernel[grid](x, weight, cos, sin, qkv, n_rows, n_in, dim, seq_len,
                            HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(x.dtype), **config)
     return qkv

@@ -20,14 +20,16 @@ rounded to the storage dtype first, as when a GEMM had written them to memory.
 
 These are ordinary Triton GEMMs: a program owns a BLOCK_M x BLOCK_N output tile and loops over the inner
 dimension BLOCK_K at a time with tl.dot (tensor cores; float32 inputs in TF32 when torch's TF32 switch
-(`tinytransformer.precision`) is on, as for cuBLAS, else exact float32). The vendor BLAS stays in charge of every other GEMM of the model. Offsets into the activations are int64; into the weights int32, which
-holds for weights of up to 2**31 elements.
+(`tinytransformer.precision`) is on, as for cuBLAS, else exact float32). The vendor BLAS stays in charge of
+every other GEMM of the model. Offsets into the activations are int64; into the weights int32, which holds for
+weights of up to 2**31 elements (shape_problem says so before a model is built).
 """
 import torch
 import triton
 import triton.language as tl
 
-from tinytransformer.triton_support import interpreter_active, is_rocm
+from tinytransformer.triton_support import (MAX_GRID_SECOND_AXIS, interpreter_active, interpreter_block, is_rocm,
+                                            small_interpreter_blocks)
 from tinytransformer.precision import tf32_enabled
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -118,8 +120,9 @@ def _down_swiglu_backward_kernel(
 # ----------------------------------------------------------------------------------------------------------
 # Launch choices
 # ----------------------------------------------------------------------------------------------------------
-def _launch_config(dtype: torch.dtype, n_rows: int, kernel: str) -> dict:
-    """Tile sizes, warps and pipeline stages of one kernel ("forward" or "backward"), fixed per dtype and size.
+def _launch_config(dtype: torch.dtype, n_rows: int, kernel: str, n_ffn: int, n_in: int) -> dict:
+    """Tile sizes, warps and pipeline stages of one kernel ("forward" or "backward") for n_rows rows, F = n_ffn
+    and an inner dimension of n_in; on a GPU fixed per dtype and number of rows.
 
     From a sweep of 12 configs per kernel on an H100 (hidden 256, FFN 512; N = 1024 and 16384 rows), each
     kernel alone, replayed from a graph: the fastest config, or one within 5% of it for both sizes of the dtype.
@@ -127,8 +130,13 @@ def _launch_config(dtype: torch.dtype, n_rows: int, kernel: str) -> dict:
     prefers half as many rows per program. On another GPU the best choice may differ.
     """
     if interpreter_active():
-        # NumPy executes every block operation: small tiles keep CPU tests quick (16 is tl.dot's minimum).
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1)
+        if small_interpreter_blocks():
+            # Kernel tests: the smallest tiles (16 is tl.dot's minimum), so small problems span several tiles.
+            return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1)
+        # A CPU run: NumPy executes each block operation of each program, at a cost per call, so tiles as large
+        # as the problem (up to 128 rows x 256 columns, 256 deep) leave few programs and few loop iterations.
+        return dict(BLOCK_M=interpreter_block(n_rows, 16, 128), BLOCK_N=interpreter_block(n_ffn, 16, 256),
+                    BLOCK_K=interpreter_block(n_in, 16, 256), num_warps=1, num_stages=1)
     # AMD GPUs have 64 KiB of shared memory per compute unit (an H100 228 KiB): fewer pipeline stages there.
     stages = 2 if is_rocm() else 3
     if dtype == torch.float32:
@@ -156,15 +164,43 @@ def _new_output(shape, dtype, device):
 # The row blocks are the grid's second axis, which allows at most this many programs. (Numbering them along the
 # first axis, with the column blocks second, made the batch-32 backward kernel 8% slower on an H100: the column
 # blocks of one row block then no longer run side by side sharing their input rows in L2.)
-MAX_ROW_BLOCKS = 65535
+MAX_ROW_BLOCKS = MAX_GRID_SECOND_AXIS
+# Offsets into the weights are int32 (see the module docstring): the gate/up weight, the larger of the two,
+# holds 2F x K elements, and its last one must stay addressable.
+MAX_WEIGHT_ELEMENTS = 2**31
 
 
-def _grid(n_rows: int, n_ffn: int, config: dict) -> tuple:
+def _weight_problem(n_in: int, n_ffn: int) -> str | None:
+    if 2 * n_ffn * n_in > MAX_WEIGHT_ELEMENTS:
+        return (f"the gate/up weight [2F, K] = [{2 * n_ffn}, {n_in}] has more than 2**31 elements, and the kernels' "
+                f"offsets into the weights are 32-bit")
+    return None
+
+
+def _row_blocks_problem(n_rows: int, config: dict) -> str | None:
     row_blocks = triton.cdiv(n_rows, config["BLOCK_M"])
     if row_blocks > MAX_ROW_BLOCKS:
-        raise ValueError(f"{n_rows} rows need {row_blocks} row blocks of {config['BLOCK_M']}; the grid allows "
-                         f"{MAX_ROW_BLOCKS}: use a smaller batch x sequence")
-    return (triton.cdiv(n_ffn, config["BLOCK_N"]), row_blocks)
+        return (f"{n_rows} rows need {row_blocks} row blocks of {config['BLOCK_M']}; the grid allows "
+                f"{MAX_ROW_BLOCKS}: use a smaller batch x sequence")
+    return None
+
+
+def shape_problem(n_rows: int, n_in: int, n_ffn: int, dtype: torch.dtype) -> str | None:
+    """Why the two kernels cannot take N = n_rows rows, an inner dimension K = n_in (the model width) and
+    F = n_ffn in dtype (one line), or None when they can: the weights' 32-bit offsets, and the row blocks of
+    each kernel's launch choice on this machine against the grid's limit. The kernels raise it; version 4's
+    check_arguments asks it before anything is built."""
+    problem = _weight_problem(n_in, n_ffn)
+    for kernel in ("forward", "backward"):
+        problem = problem or _row_blocks_problem(n_rows, _launch_config(dtype, n_rows, kernel, n_ffn, n_in))
+    return problem
+
+
+def _grid(n_rows: int, n_in: int, n_ffn: int, config: dict) -> tuple:
+    problem = _weight_problem(n_in, n_ffn) or _row_blocks_problem(n_rows, config)
+    if problem:
+        raise ValueError(problem)
+    return (triton.cdiv(n_ffn, config["BLOCK_N"]), triton.cdiv(n_rows, config["BLOCK_M"]))
 
 
 def _check(name: str, tensor: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
@@ -188,8 +224,8 @@ def gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor,
     gate_up = _new_output((n_rows, 2 * n_ffn), x.dtype, x.device)
     h = _new_output((n_rows, n_ffn), x.dtype, x.device)
     if n_rows > 0:
-        config = _launch_config(x.dtype, n_rows, "forward")
-        grid = _grid(n_rows, n_ffn, config)
+        config = _launch_config(x.dtype, n_rows, "forward", n_ffn, n_in)
+        grid = _grid(n_rows, n_in, n_ffn, config)
         _gate_up_swiglu_kernel[grid](x, weight, gate_up, h, n_rows, n_ffn, n_in,
                                      DOT_PRECISION=dot_precision(x.dtype), **config)
     return gate_up, h
@@ -209,8 +245,8 @@ def down_swiglu_backward(grad_y: torch.Tensor, down_weight: torch.Tensor, gate_u
     grad_y, down_weight, gate_up = grad_y.contiguous(), down_weight.contiguous(), gate_up.contiguous()
     grad_gate_up = _new_output(gate_up.shape, gate_up.dtype, gate_up.device)
     if n_rows > 0:
-        config = _launch_config(grad_y.dtype, n_rows, "backward")
-        grid = _grid(n_rows, n_ffn, config)
+        config = _launch_config(grad_y.dtype, n_rows, "backward", n_ffn, n_out)
+        grid = _grid(n_rows, n_out, n_ffn, config)
         _down_swiglu_backward_kernel[grid](grad_y, down_weight, gate_up, grad_gate_up, n_rows, n_ffn, n_out,
                                            DOT_PRECISION=dot_precision(grad_y.dtype), **config)
     return grad_gate_up

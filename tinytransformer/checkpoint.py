@@ -75,13 +75,6 @@ def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def is_main_process() -> bool:
-    """Rank 0 of a data-parallel job (or a single process): the one that writes checkpoints."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank() == 0
-    return os.environ.get("RANK", "0") == "0"
-
-
 def _write_payload(payload: dict, file) -> None:
     """Serialise into an open file (a separate function so that tests can interrupt a write half-way)."""
     torch.save(payload, file)

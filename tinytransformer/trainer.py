@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
-from . import distributed
+from . import deepspeed_engine, distributed
 from . import flops as flops_mod
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import BatchStream, build_corpora
@@ -262,14 +262,14 @@ class Trainer:
         self._log_lock = threading.Lock()   # the progress heartbeat prints from a second thread
         self.progress = Progress(self.log)
         # Before anything imports DeepSpeed (--deepspeed, --validate-setup, the FLOPS profiles): no guess, no warning.
-        distributed.choose_deepspeed_accelerator(self.device)
+        deepspeed_engine.choose_deepspeed_accelerator(self.device)
         if train.use_amp and self.device.type == "cpu" and train.amp_dtype == "float16":
             raise ConfigError("--use-amp with --amp-dtype float16 is not supported on the CPU; "
                               "use --amp-dtype bfloat16 or a GPU")
         if spec.check_arguments:
             spec.check_arguments(args, self.device)
         # --deepspeed: DeepSpeed missing or a bad config file is one line, before any process waits for another.
-        self.deepspeed_config = distributed.prepare_deepspeed(train, self.device) if train.uses_deepspeed else None
+        self.deepspeed_config = deepspeed_engine.prepare_deepspeed(train, self.device) if train.uses_deepspeed else None
         # Data parallel: join the job torchrun started (a no-op otherwise); each rank then uses its own GPU.
         self.dist = distributed.setup(train, self.device)
         self.device = self.dist.device
@@ -318,9 +318,9 @@ class Trainer:
         # self.model stays the UNWRAPPED model (load_canonical, checkpoints, validation); the step calls
         # self.train_model: DDP around it under torchrun, the model itself in a single process.
         if self.dist.engine == "deepspeed":
-            self.engine = distributed.initialize_deepspeed(self.model, self.optimizer, self.deepspeed_config,
+            self.engine = deepspeed_engine.initialize_deepspeed(self.model, self.optimizer, self.deepspeed_config,
                                                            self.dist)
-            self.step_fn = distributed.DeepSpeedStep(self.engine)
+            self.step_fn = deepspeed_engine.DeepSpeedStep(self.engine)
             self.train_model = self.engine
         else:
             self.train_model = distributed.wrap_for_data_parallel(self.model, self.dist)
@@ -628,7 +628,7 @@ class Trainer:
         if self.dist.engine == "deepspeed":   # --save-every/--resume are refused; a signal lands here
             self.log("note: no checkpoint under --deepspeed (the optimizer state lives in DeepSpeed's engine)")
             return
-        if not ckpt.is_main_process():
+        if not distributed.is_main_process():
             return
         train = self.train
         started = time.perf_counter()

@@ -36,9 +36,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from table_format import NO_MATPLOTLIB, fmt, load_pyplot, markdown_header, markdown_row
+from table_format import NO_MATPLOTLIB, fmt, markdown_header, markdown_row
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # the shared harness: result files and plots
+
+from tinytransformer.outputs import load_pyplot, write_json  # noqa: E402
+
 SCRIPTS = {
     "v1": "version1_pytorch_baseline/tiny_llama_v1.py",
     "v2": "version2_pytorch_fused/tiny_llama_v2.py",
@@ -184,8 +188,7 @@ def save(results: dict, path: str | None, note: str | None) -> None:
         results["note"] = note
     else:
         results.pop("note", None)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(results, indent=2))
+    write_json(path, results)
 
 
 def gpu_present(requested: str) -> bool:

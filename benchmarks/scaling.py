@@ -30,9 +30,13 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from table_format import NO_MATPLOTLIB, fmt, load_pyplot, markdown_header, markdown_row
+from table_format import NO_MATPLOTLIB, fmt, markdown_header, markdown_row
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # the shared harness: result files and plots
+
+from tinytransformer.outputs import load_pyplot, write_json  # noqa: E402
+
 SCRIPTS = {
     "v1": "version1_pytorch_baseline/tiny_llama_v1.py",
     "v2": "version2_pytorch_fused/tiny_llama_v2.py",
@@ -225,7 +229,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "weak scaling", "engine": args.engine, "zero_stage": args.zero_stage,
               "dtype": args.dtype, "num_steps": args.num_steps, "warmup_steps": args.warmup_steps,
               "extra_flags": args.extra, "environment": environment(args.device), "rows": rows}
-    (out_dir / "scaling.json").write_text(json.dumps(result, indent=2))
+    write_json(out_dir / "scaling.json", result)
     (out_dir / "scaling.md").write_text(markdown + "\n")
     print(f"results: {out_dir / 'scaling.json'}, {out_dir / 'scaling.md'}")
     print(plot(rows, out_dir / "scaling.png"))

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError, ModelConfig, TrainConfig
+from .outputs import write_atomically
 from .weights import check_canonical
 
 FORMAT = "tinytransformer-checkpoint"
@@ -80,42 +81,14 @@ def _write_payload(payload: dict, file) -> None:
     torch.save(payload, file)
 
 
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename itself durable; not every platform can open a directory (Windows), which is fine."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_atomically(payload: dict, path: str | Path) -> Path:
-    """Write to a temporary file in the same directory, fsync it, then rename it over `path`.
-
-    A rename within one file system is atomic: a reader (or a crash) sees the old file or the new one, never
-    half of one. A kill before the rename leaves only a temporary file, which the checkpoint listing ignores.
-    """
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write the checkpoint through a temporary file in the same directory, fsync it, then rename it over `path`
+    (outputs.write_atomically): a reader (or a crash) sees the old file or the new one, never half of one. A kill
+    before the rename leaves only a temporary file, which the checkpoint listing ignores."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(temporary, "wb") as file:
-            _write_payload(payload, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException as error:   # also KeyboardInterrupt: never leave a half-written file behind
-        temporary.unlink(missing_ok=True)
-        if isinstance(error, OSError):
-            raise CheckpointError(f"cannot write checkpoint {path}: {error.strerror or error}") from None
-        raise
-    _fsync_directory(path.parent)
-    return path
+        return write_atomically(path, lambda file: _write_payload(payload, file), binary=True, durable=True)
+    except OSError as error:
+        raise CheckpointError(f"cannot write checkpoint {path}: {error.strerror or error}") from None
 
 
 def remove_temporary_files(directory: str | Path) -> list[Path]:

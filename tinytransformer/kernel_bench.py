@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import math
 import shlex
 import sys
@@ -69,6 +68,7 @@ import torch
 from .cli import EXIT_BAD_INPUT, OneLineParser, positive_int
 from .config import ConfigError
 from .device import describe, peak_bandwidth_tbs
+from .outputs import write_json
 from .precision import exact_float32_matmuls, tf32_enabled
 from .triton_support import interpreter_active, is_rocm
 
@@ -552,11 +552,6 @@ def finite_or_none(value):
     return value
 
 
-def write_json(path: str, report: dict) -> None:
-    Path(path).write_text(json.dumps(finite_or_none(report), indent=2) + "\n")
-    print(f"Wrote {path}")
-
-
 def no_timing_message(prog: str, check: bool) -> str:
     reason = ("Triton's interpreter is on (TRITON_INTERPRET=1)" if torch.cuda.is_available()
               else "no GPU (CUDA or ROCm) found")
@@ -634,5 +629,6 @@ def main(ops: list[OpBench], prog: str, description: str, argv=None) -> int:
     if can_time and passed:
         run_timings(selected, shape, device, report)
     if args.output_json:
-        write_json(args.output_json, report)
+        write_json(args.output_json, finite_or_none(report))
+        print(f"Wrote {args.output_json}")
     return 0 if passed else EXIT_CHECK_FAILED

@@ -34,6 +34,7 @@ from . import flops, reports
 from .cli import (EXIT_BAD_INPUT, VersionSpec, build_parser, non_negative_int, positive_int,
                   resolve_configs)
 from .config import ConfigError, TrainConfig
+from .outputs import ensure_directory, load_pyplot, write_json
 
 DEFAULT_PROFILE_STEPS = 12          # steps of a profiler run when --num-steps is not given
 DEFAULT_TABLE_ROWS = 20
@@ -71,15 +72,6 @@ def silence_closed_pipe() -> int:
 def fail(prog: str, message: str) -> int:
     print(f"{prog}: error: {message}", file=sys.stderr)
     return EXIT_BAD_INPUT
-
-
-def ensure_directory(path: str | Path, flag: str) -> Path:
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"{flag} {path}: cannot create the directory ({error.strerror or error})") from None
-    return path
 
 
 def given_arguments(argv) -> list[str]:
@@ -453,11 +445,8 @@ def intensity_rows(cfg, batch: int, seq: int, bytes_per_element: int, ridge: flo
 def write_roofline(path: Path, peak_tflops: float, bandwidth_tbs: float, rows: list[dict],
                    achieved_tflops: float | None, title: str) -> str | None:
     """Draw the roofline with each matrix product at its attainable ceiling; None when matplotlib is absent."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")   # files only, no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = load_pyplot()
+    if plt is None:
         return None
     ridge = peak_tflops / bandwidth_tbs
     intensities = [row["flops_per_byte"] for row in rows]
@@ -626,7 +615,7 @@ def write_flops_outputs(out_dir: Path, result: dict) -> dict:
         result["files"]["model_profile.txt"] = result["deepspeed"]["model_profile"]
     if result["roofline"] and result["roofline"]["path"]:
         result["files"]["roofline.png"] = result["roofline"]["path"]
-    paths["flops_profile.json"].write_text(json.dumps(result, indent=2))
+    write_json(paths["flops_profile.json"], result)
     return result["files"]
 
 

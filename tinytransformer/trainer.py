@@ -42,6 +42,7 @@ from . import flops as flops_mod
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import BatchStream, build_corpora
 from .device import describe, peak_memory_mb, peak_tflops, reset_peak_memory, resolve_device, synchronize
+from .outputs import write_json
 from .precision import tf32_enabled
 from .profiling import DeepSpeedFlopsSession, PyTorchProfilerSession, profile_range
 from .progress import Progress
@@ -857,10 +858,3 @@ class Trainer:
         profile = m.get("profile") or {}
         if profile.get("kernels_per_step") is not None:
             self.log(f"kernels     : {profile['kernels_per_step']:.0f} GPU kernels per step (profiled)")
-
-
-def write_json(path: str, metrics: dict) -> None:
-    path = Path(path)
-    if path.parent and not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(metrics, indent=2, default=str))

@@ -44,7 +44,12 @@ from .data import BatchStream, build_corpora
 from .device import describe, peak_memory_mb, peak_tflops, reset_peak_memory, resolve_device, synchronize
 from .outputs import write_json
 from .precision import tf32_enabled
-from .profiling import DeepSpeedFlopsSession, PyTorchProfilerSession, profile_range
+from .profiling.analysis import kernels_per_step, operators_per_step
+from .profiling.deepspeed_flops import deepspeed_import_problem, profile_forward
+from .profiling.ranges import profile_range
+from .profiling.session import PyTorchProfilerSession
+from .profiling.tables import write_reports
+from .profiling.trace import load_trace
 from .progress import Progress
 from .stopping import StepAbandoned, StopOnSignal, may_abandon
 from .weights import init_canonical_weights, parameter_count
@@ -724,7 +729,6 @@ class Trainer:
         return session, first
 
     def finish_profile(self, session: PyTorchProfilerSession) -> None:
-        from . import reports
         result = {"trace": str(session.trace_path), "active_steps": session.active_steps}
         if not session.trace_path.exists():
             self.log("note: the profiler recorded no active step; no trace written")
@@ -733,10 +737,10 @@ class Trainer:
         memory_timeline = session.export_memory_timeline()
         if memory_timeline:
             result["memory_timeline"] = str(memory_timeline)
-        trace = reports.load_trace(session.trace_path)
-        result["kernels_per_step"] = reports.kernels_per_step(trace)
-        result["operators_per_step"] = reports.operators_per_step(trace)
-        written = reports.write_reports(trace, session.dir, sort_by=self.train.sort_by, limit=20)
+        trace = load_trace(session.trace_path)
+        result["kernels_per_step"] = kernels_per_step(trace)
+        result["operators_per_step"] = operators_per_step(trace)
+        written = write_reports(trace, session.dir, sort_by=self.train.sort_by, limit=20)
         result["reports"] = {k: str(v) for k, v in written.items()} if isinstance(written, dict) else written
         if self.train.profile_operators:
             self.log(f"--- top operators (sorted by {self.train.sort_by}) ---")
@@ -765,19 +769,22 @@ class Trainer:
         return {name: statistics.median(r[i] for r in rows) for i, name in enumerate(names)}
 
     def run_deepspeed_flops(self) -> dict:
-        session = DeepSpeedFlopsSession(self.model)
         analytic = flops_mod.forward_flops(self.model_config, self.train.batch_size, self.train.seq_len)
-        if not session.available:
-            self.log(f"note: {session.reason}")
-            return {"available": False, "reason": session.reason, "analytic_forward_flops": analytic}
+        problem = deepspeed_import_problem()
+        if problem is not None:
+            self.log(f"note: {problem}")
+            return {"available": False, "reason": problem, "analytic_forward_flops": analytic}
         inputs, targets = self.stream.batch(0)
+
+        def forward():
+            with torch.no_grad(), autocast_context(self.device, self.train):
+                self.model(inputs, targets)
+
         self.log("--- DeepSpeed FLOPS profile (one forward pass) ---")
-        session.start()
-        with torch.no_grad(), autocast_context(self.device, self.train):
-            self.model(inputs, targets)
-        result = session.stop_and_report()
-        result.update(available=True, analytic_forward_flops=analytic)
-        return result
+        counted = profile_forward(self.model, forward)   # DeepSpeed prints its per-module tree
+        return {"flops": counted["forward_flops"], "macs": counted["forward_macs"], "params": counted["params"],
+                "forward_latency_s": counted["forward_latency_s"], "available": True,
+                "analytic_forward_flops": analytic}
 
     # -- the summary ------------------------------------------------------------------------------------------
     def build_metrics(self, loss_values, timed_ms, wall_seconds, note) -> dict:

@@ -262,11 +262,11 @@ def resolve_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]
     except TypeError as error:
         raise ConfigError(str(error)) from None
     # What the user chose, as opposed to defaults: whether --checkpoint-dir was given decides whether a stopped
-    # run writes a checkpoint, and a resumed run recomputes a default warm-up (trainer.given_explicitly).
+    # run writes a checkpoint, and a resumed run recomputes a default warm-up (checkpoint/manager.given_explicitly).
     # Not a dataclass field: it stays out of the metrics JSON and the checkpoints.
     train.given_settings = frozenset(train_settings)
     if "warmup_steps" not in train_settings:
-        from .trainer import default_warmup_steps
+        from .training.timing import default_warmup_steps
         train.warmup_steps = default_warmup_steps(train.num_steps)
     # A config file may set max_seq_len below a requested --seq-len; a flag --seq-len alone above the
     # default max is an error, reported by check_compatible with the fix to apply.
@@ -278,7 +278,7 @@ def run(spec: VersionSpec, argv=None) -> int:
     """Parse, configure, train, report. Returns the process exit code."""
     parser = build_parser(spec)
     args = parser.parse_args(argv)
-    from .trainer import Trainer  # after parsing: --help stays fast
+    from .training.trainer import Trainer  # after parsing: --help stays fast
     trainer = None
     try:
         model_config, train_config = resolve_configs(args)

@@ -17,8 +17,8 @@ environment variables; we never parse launcher flags ourselves:
 
 Rank r uses GPU cuda:LOCAL_RANK, talks to the others through NCCL (RCCL on ROCm, which PyTorch also calls
 "nccl") or, on the CPU, through gloo. The model is wrapped in DistributedDataParallel (DDP), or handed to
-DeepSpeed's engine with --deepspeed (deepspeed_engine.py). The trainer keeps a handle to the UNWRAPPED model for everything that
-is not the training step: load_canonical, checkpoints, validation.
+DeepSpeed's engine with --deepspeed (deepspeed_engine.py). The trainer keeps a handle to the UNWRAPPED model for
+everything that is not the training step: load_canonical, checkpoints, validation.
 
 Conventions of a data-parallel run: --batch-size is per rank (the global batch is batch x ranks); reported
 samples/s are global; memory is rank 0's GPU; timing is rank 0's device events; only rank 0 prints, writes the

@@ -56,7 +56,7 @@ from tinytransformer.cli import VersionSpec, run  # noqa: E402
 from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402
 from tinytransformer.precision import set_tf32  # noqa: E402
 from tinytransformer.profiling.ranges import profile_range  # noqa: E402
-from tinytransformer.trainer import EagerStep  # noqa: E402
+from tinytransformer.training.step import EagerStep  # noqa: E402
 from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
                                      init_canonical_weights, split)
 from version3_triton.kernels.flash_attention import (flash_attention_packed, packed_attention_backward,  # noqa: E402

@@ -71,24 +71,13 @@ def deepspeed_count(model, forward, model_profile: Path) -> dict:
             "modules": counted["modules"], "model_profile": str(model_profile)}
 
 
-def time_training_steps(trainer, warmup_steps: int, timing_steps: int) -> dict:
-    """Median step time of `timing_steps` steps after `warmup_steps`, timed as the Trainer times them."""
-    from ..trainer import StepTimer, summarize_times
-    timer = StepTimer(trainer.device)
-    for step in range(warmup_steps + timing_steps):
-        inputs, targets = trainer.stream.batch(step)
-        start = timer.mark()
-        trainer.step_fn(inputs, targets)
-        timer.add((start, timer.mark()))
-    step_ms = [marks[0] for marks in timer.collect()][warmup_steps:]   # collect() synchronises once
-    return {**summarize_times(step_ms), "warmup_steps": warmup_steps}
-
-
 def measure_flops(spec: VersionSpec, args, argv, command: str) -> dict:
     """Everything flops_profile.json holds; writes model_profile.txt (and roofline.png) on the way."""
     import torch
 
-    from ..trainer import Trainer, autocast_context
+    from ..training.step import autocast_context
+    from ..training.timing import time_training_steps
+    from ..training.trainer import Trainer
 
     if args.num_steps is not None:
         print("note: --num-steps is not used here; the timing runs --warmup-steps + --timing-steps steps")
@@ -126,7 +115,7 @@ def measure_flops(spec: VersionSpec, args, argv, command: str) -> dict:
 
     # (c) timed training steps
     print(f"timing {args.timing_steps} training steps after {warmup} warm-up steps ...")
-    timing = time_training_steps(trainer, warmup, args.timing_steps)
+    timing = time_training_steps(trainer.step_fn, trainer.stream, trainer.device, warmup, args.timing_steps)
     median_s = timing["median_ms"] / 1e3 if timing["median_ms"] else None
     achieved = analytic["training_flops"] / median_s / 1e12 if median_s else None
     throughput = {"samples_per_s": batch / median_s if median_s else None,

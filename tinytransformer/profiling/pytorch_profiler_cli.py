@@ -87,7 +87,7 @@ def analyze_existing_trace(spec: VersionSpec, args, command: str) -> int:
 
 
 def profile_training_run(spec: VersionSpec, args, argv, command: str) -> int:
-    from ..trainer import Trainer   # after parsing, so that --help stays fast
+    from ..training.trainer import Trainer   # after parsing, so that --help stays fast
     args.enable_pytorch_profiler = True
     if args.num_steps is None:
         args.num_steps = DEFAULT_PROFILE_STEPS

@@ -20,7 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # the repository root: the shared harness
 
-from tinytransformer.checkpoint import CheckpointError, list_checkpoints, read_checkpoint  # noqa: E402
+from tinytransformer.training.checkpoint import CheckpointError  # noqa: E402
+from tinytransformer.training.checkpoint.files import list_checkpoints  # noqa: E402
+from tinytransformer.training.checkpoint.loading import read_checkpoint  # noqa: E402
 from tinytransformer.cli import (EXIT_BAD_INPUT, HelpFormatter, OneLineParser, non_negative_int,  # noqa: E402
                                  positive_int)
 from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402

@@ -30,21 +30,17 @@ import argparse
 import json
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from table_format import NO_MATPLOTLIB, fmt, load_pyplot, markdown_header, markdown_row
+from table_format import NO_MATPLOTLIB, fmt, markdown_header, markdown_row
+from training_runs import REPO_ROOT, SCRIPTS, run_training
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = {
-    "v1": "version1_pytorch_baseline/tiny_llama_v1.py",
-    "v2": "version2_pytorch_fused/tiny_llama_v2.py",
-    "v3": "version3_triton/tiny_llama_v3.py",
-    "v4": "version4_triton_ultra/tiny_llama_v4.py",
-}
+sys.path.insert(0, str(REPO_ROOT))  # the shared harness: result files and plots
+
+from tinytransformer.outputs import load_pyplot, write_json  # noqa: E402
+
 # label -> (version, extra flags)
 VARIANTS = {
     "v1": ("v1", []),
@@ -80,15 +76,13 @@ def run_variant(label, args, batch, seq, out_dir: Path) -> dict:
     if args.profile:
         command += ["--enable-pytorch-profiler", "--profile-steps", "2", "--profile-dir", str(out_dir / f"prof_{label}")]
     command += args.extra
-    started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    outcome = run_training(command, json_path, args.timeout)
     row = {"variant": label, "version": version, "batch_size": batch, "seq_len": seq, "dtype": args.dtype,
-           "command": shlex.join([Path(command[1]).name] + command[2:]), "wall_s": time.perf_counter() - started}
-    if result.returncode != 0:
-        lines = (result.stderr or result.stdout).strip().splitlines()
-        row["error"] = lines[-1] if lines else f"exit code {result.returncode}"
+           "command": shlex.join([Path(command[1]).name] + command[2:]), "wall_s": outcome.wall_s}
+    if outcome.error:
+        row["error"] = outcome.error
         return row
-    metrics = json.loads(json_path.read_text())
+    metrics = outcome.metrics
     row.update({
         "samples_per_s": metrics["throughput"]["samples_per_s"],
         "tokens_per_s": metrics["throughput"]["tokens_per_s"],
@@ -184,8 +178,7 @@ def save(results: dict, path: str | None, note: str | None) -> None:
         results["note"] = note
     else:
         results.pop("note", None)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(results, indent=2))
+    write_json(path, results)
 
 
 def gpu_present(requested: str) -> bool:

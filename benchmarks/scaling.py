@@ -19,26 +19,21 @@ the machine and every command), a markdown table, and a PNG plot when matplotlib
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 from datetime import datetime
 from pathlib import Path
 
-from table_format import NO_MATPLOTLIB, fmt, load_pyplot, markdown_header, markdown_row
+from table_format import NO_MATPLOTLIB, fmt, markdown_header, markdown_row
+from training_runs import REPO_ROOT, SCRIPTS, run_training
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = {
-    "v1": "version1_pytorch_baseline/tiny_llama_v1.py",
-    "v2": "version2_pytorch_fused/tiny_llama_v2.py",
-    "v3": "version3_triton/tiny_llama_v3.py",
-    "v4": "version4_triton_ultra/tiny_llama_v4.py",
-}
+sys.path.insert(0, str(REPO_ROOT))  # the shared harness: result files and plots
+
+from tinytransformer.outputs import load_pyplot, write_json  # noqa: E402
+
 EXIT_BAD_INPUT = 2
 
 
@@ -63,18 +58,13 @@ def run_point(version: str, preset: str, gpus: int, args, out_dir: Path) -> dict
         env["TRITON_INTERPRET"] = "1"   # versions 3 and 4 run their Triton kernels in the interpreter on a CPU
     row = {"version": version, "preset": preset, "gpus": gpus,
            "command": shlex.join(["torchrun"] + command[3:])}
-    started = time.perf_counter()
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env,
-                                cwd=REPO_ROOT)
-    except subprocess.TimeoutExpired:
-        row["error"] = f"timed out after {args.timeout} s"
+    outcome = run_training(command, json_path, args.timeout, env=env, cwd=REPO_ROOT)
+    if outcome.wall_s is not None:
+        row["wall_s"] = round(outcome.wall_s, 1)
+    if outcome.error:
+        row["error"] = outcome.error
         return row
-    row["wall_s"] = round(time.perf_counter() - started, 1)
-    if result.returncode != 0 or not json_path.exists():
-        row["error"] = first_error_line(result.stdout + result.stderr, result.returncode)
-        return row
-    metrics = json.loads(json_path.read_text())
+    metrics = outcome.metrics
     row.update({
         "global_batch_size": metrics["distributed"]["global_batch_size"],
         "batch_size_per_gpu": metrics["distributed"]["batch_size_per_rank"],
@@ -88,15 +78,6 @@ def run_point(version: str, preset: str, gpus: int, args, out_dir: Path) -> dict
         "device": metrics["device"]["name"],
     })
     return row
-
-
-def first_error_line(output: str, code: int) -> str:
-    """The script's own one-line error if it printed one, else the last line (torchrun adds its report after)."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    for line in lines:
-        if ": error: " in line:
-            return line
-    return lines[-1] if lines else f"exit code {code}"
 
 
 def add_efficiency(rows: list[dict]) -> None:
@@ -251,7 +232,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "weak scaling", "engine": args.engine, "zero_stage": args.zero_stage,
               "dtype": args.dtype, "num_steps": args.num_steps, "warmup_steps": args.warmup_steps,
               "extra_flags": args.extra, "environment": environment(args.device), "rows": rows}
-    (out_dir / "scaling.json").write_text(json.dumps(result, indent=2))
+    write_json(out_dir / "scaling.json", result)
     (out_dir / "scaling.md").write_text(markdown + "\n")
     print(f"results: {out_dir / 'scaling.json'}, {out_dir / 'scaling.md'}")
     print(plot(rows, out_dir / "scaling.png"))

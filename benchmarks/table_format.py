@@ -1,4 +1,7 @@
-"""Formatting shared by the benchmark scripts: numbers that may be missing, markdown table rows, optional plots."""
+"""Formatting shared by the benchmark scripts: numbers that may be missing, markdown table rows, the no-plot note.
+
+The plots themselves load matplotlib through tinytransformer.outputs.load_pyplot.
+"""
 
 
 def fmt(value, spec: str, suffix: str = "") -> str:
@@ -13,17 +16,6 @@ def markdown_row(cells) -> str:
 def markdown_header(columns, align: str = "---") -> list[str]:
     """The header row and the separator row of a markdown table."""
     return [markdown_row(columns), "|" + f"{align}|" * len(columns)]
-
-
-def load_pyplot():
-    """matplotlib.pyplot with a file-only backend, or None when matplotlib is not installed (it is optional)."""
-    try:
-        import matplotlib
-    except ImportError:
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib): no plot written"

@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from tinytransformer import checkpoint as ckpt
+from tinytransformer.training.checkpoint import FORMAT, CheckpointError
+from tinytransformer.training.checkpoint import files as ckpt_files
+from tinytransformer.training.checkpoint.files import checkpoint_path, list_checkpoints, save_atomically
+from tinytransformer.training.checkpoint.loading import read_checkpoint
+from tinytransformer.training.checkpoint.state import (load_optimizer_state, optimizer_state, restore_rng_state,
+                                                       rng_state)
 from tinytransformer.config import ModelConfig
 from tinytransformer.weights import canonical_shapes, init_canonical_weights
 from version1_pytorch_baseline.tiny_llama_v1 import TinyLlama as TinyLlamaV1
@@ -79,11 +84,11 @@ def test_resume_is_bit_identical_to_the_uninterrupted_run(reference, tmp_path):
                        "--keep-last", "0", "--checkpoint-dir", full_dir, name="full")
     assert code == 0
     assert full["loss"]["history"] == reference["loss"]["history"]   # writing checkpoints changes nothing
-    assert [s for s, _ in ckpt.list_checkpoints(full_dir)] == [8, 16, 24, 32, 40]
+    assert [s for s, _ in list_checkpoints(full_dir)] == [8, 16, 24, 32, 40]
     for resume_step in (8, 24):
         shutil.rmtree(resume_dir, ignore_errors=True)
         resume_dir.mkdir()
-        shutil.copy(ckpt.checkpoint_path(full_dir, resume_step), resume_dir)
+        shutil.copy(checkpoint_path(full_dir, resume_step), resume_dir)
         code, resumed = train(v1_main, tmp_path, "--eval-every", "10", "--eval-batches", "2", "--save-every",
                               "8", "--checkpoint-dir", resume_dir, "--resume", "auto", name=f"resumed{resume_step}")
         assert code == 0
@@ -97,9 +102,9 @@ def test_resume_is_bit_identical_to_the_uninterrupted_run(reference, tmp_path):
 def test_checkpoint_contents_and_size(tmp_path):
     code, _ = train(v1_main, tmp_path, "--save-every", "20", "--checkpoint-dir", tmp_path / "c")
     assert code == 0
-    path = ckpt.checkpoint_path(tmp_path / "c", 20)
+    path = checkpoint_path(tmp_path / "c", 20)
     payload = torch.load(path, weights_only=True)   # only tensors and plain python values
-    assert payload["format"] == ckpt.FORMAT and payload["version"] == "v1" and payload["step"] == 20
+    assert payload["format"] == FORMAT and payload["version"] == "v1" and payload["step"] == 20
     config = ModelConfig(**payload["model_config"])
     assert set(payload["model"]) == set(canonical_shapes(config))
     assert set(payload["optimizer"]["per_parameter"]) == {"exp_avg", "exp_avg_sq"}
@@ -111,9 +116,9 @@ def test_checkpoint_contents_and_size(tmp_path):
 
 def test_every_random_number_generator_is_restored():
     torch.manual_seed(1), np.random.seed(2), random.seed(3)
-    saved = ckpt.rng_state()
+    saved = rng_state()
     first = (torch.rand(3), np.random.rand(3), random.random(), np.random.randn())
-    ckpt.restore_rng_state(saved)
+    restore_rng_state(saved)
     again = (torch.rand(3), np.random.rand(3), random.random(), np.random.randn())
     assert torch.equal(first[0], again[0]) and (first[1] == again[1]).all() and first[2:] == again[2:]
 
@@ -121,7 +126,7 @@ def test_every_random_number_generator_is_restored():
 def test_keep_last_removes_the_oldest(tmp_path):
     code, _ = train(v1_main, tmp_path, "--save-every", "5", "--keep-last", "2", "--checkpoint-dir", tmp_path / "c")
     assert code == 0
-    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "c")] == [35, 40]
+    assert [s for s, _ in list_checkpoints(tmp_path / "c")] == [35, 40]
 
 
 def test_only_rank_0_writes(tmp_path, monkeypatch):
@@ -142,11 +147,11 @@ def test_resume_auto_without_checkpoints_starts_from_step_0(reference, tmp_path,
 def test_sigkill_mid_run_then_resume_auto(reference, tmp_path):
     directory = tmp_path / "c"
     process = start_subprocess(directory, "--save-every", "4")
-    wait_for(lambda: len(ckpt.list_checkpoints(directory)) >= 2, process)
+    wait_for(lambda: len(list_checkpoints(directory)) >= 2, process)
     process.send_signal(signal.SIGKILL)
     process.communicate()
     assert process.returncode == -signal.SIGKILL
-    written = [s for s, _ in ckpt.list_checkpoints(directory)]
+    written = [s for s, _ in list_checkpoints(directory)]
     assert written[-1] < NUM_STEPS, "the run finished before the kill"
     code, resumed = train(v1_main, tmp_path, "--save-every", "4", "--checkpoint-dir", directory, "--resume", "auto")
     assert code == 0 and resumed["checkpoint"]["resumed_at_step"] == written[-1]
@@ -164,7 +169,7 @@ def test_signal_writes_a_resumable_checkpoint(reference, tmp_path, signal_number
     out = "".join(lines) + out
     assert process.returncode == exit_code, err
     assert "Traceback" not in err
-    written = ckpt.list_checkpoints(directory)
+    written = list_checkpoints(directory)
     assert len(written) == 1
     step, path = written[0]
     assert 3 <= step < NUM_STEPS
@@ -178,32 +183,32 @@ def test_signal_writes_a_resumable_checkpoint(reference, tmp_path, signal_number
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     """An exception (or Ctrl-C) half-way through a write: the old file is untouched, no temporary is left."""
     path = tmp_path / "ckpt_step00000001.pt"
-    ckpt.save_atomically({"value": torch.arange(1000)}, path)
+    save_atomically({"value": torch.arange(1000)}, path)
     before = path.read_bytes()
 
     def write_half_then_fail(payload, file):
         file.write(b"PK\x03\x04 half a checkpoint")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt, "_write_payload", write_half_then_fail)
+    monkeypatch.setattr(ckpt_files, "_write_payload", write_half_then_fail)
     with pytest.raises(KeyboardInterrupt):
-        ckpt.save_atomically({"value": torch.zeros(1000)}, path)
+        save_atomically({"value": torch.zeros(1000)}, path)
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
     monkeypatch.undo()
 
     def refuse(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt.os, "replace", refuse)
-    with pytest.raises(ckpt.CheckpointError, match="No space left"):
-        ckpt.save_atomically({"value": torch.zeros(1000)}, path)
+    monkeypatch.setattr(ckpt_files.os, "replace", refuse)
+    with pytest.raises(CheckpointError, match="No space left"):
+        save_atomically({"value": torch.zeros(1000)}, path)
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
 
 
 KILL_IN_SECOND_WRITE = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-from tinytransformer import checkpoint
+from tinytransformer.training.checkpoint import files as checkpoint
 writes = []
 def write(payload, file):
     writes.append(1)
@@ -225,10 +230,10 @@ def test_sigkill_inside_a_checkpoint_write_keeps_the_previous_one(reference, tmp
                                                                     str(directory)],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == -signal.SIGKILL
-    assert [s for s, _ in ckpt.list_checkpoints(directory)] == [5]
+    assert [s for s, _ in list_checkpoints(directory)] == [5]
     leftovers = list(directory.glob(".ckpt_step00000010.pt.tmp-*"))
     assert len(leftovers) == 1                                   # the half-written file never got the name
-    ckpt.read_checkpoint(ckpt.checkpoint_path(directory, 5))    # the previous checkpoint is intact
+    read_checkpoint(checkpoint_path(directory, 5))    # the previous checkpoint is intact
     code, resumed = train(v1_main, tmp_path, "--save-every", "5", "--checkpoint-dir", directory, "--resume", "auto")
     assert code == 0 and resumed["checkpoint"]["resumed_at_step"] == 5
     assert resumed["loss"]["history"] == reference["loss"]["history"]
@@ -249,11 +254,11 @@ def test_optimizer_state_round_trips_exactly_through_the_fused_layout():
     for _ in range(2):
         v1(ids[:, :-1], ids[:, 1:])[1].backward()
         opt1.step()
-    saved = ckpt.optimizer_state(v1, opt1)
+    saved = optimizer_state(v1, opt1)
     v2.load_canonical(v1.canonical_state_dict())
     opt2 = torch.optim.AdamW(v2.parameters(), lr=1e-2)
-    ckpt.load_optimizer_state(v2, opt2, saved)
-    again = ckpt.optimizer_state(v2, opt2)
+    load_optimizer_state(v2, opt2, saved)
+    again = optimizer_state(v2, opt2)
     for key in ("exp_avg", "exp_avg_sq"):
         for name, tensor in saved["per_parameter"][key].items():
             assert torch.equal(again["per_parameter"][key][name], tensor), (key, name)
@@ -271,7 +276,7 @@ def test_v1_checkpoint_resumes_in_v2_and_back(reference, tmp_path):
                     name="v1")
     assert code == 0
     v2_dir.mkdir()
-    shutil.copy(ckpt.checkpoint_path(v1_dir, 10), v2_dir)
+    shutil.copy(checkpoint_path(v1_dir, 10), v2_dir)
     code, in_v2 = train(v2_main, tmp_path, "--save-every", "20", "--checkpoint-dir", v2_dir, "--resume", "auto",
                         name="v2")
     assert code == 0
@@ -280,10 +285,10 @@ def test_v1_checkpoint_resumes_in_v2_and_back(reference, tmp_path):
     # The next loss after the switch: same weights, same batch; only v2's fused kernels round differently.
     assert in_v2["loss"]["history"][10] == pytest.approx(expected[10], rel=1e-5)
     assert in_v2["loss"]["history"] == pytest.approx(expected, rel=1e-4)
-    payload = ckpt.read_checkpoint(ckpt.checkpoint_path(v2_dir, 20))
+    payload = read_checkpoint(checkpoint_path(v2_dir, 20))
     assert payload["version"] == "v2" and set(payload["model"]) == set(reference_model_names())
     back_dir.mkdir()
-    shutil.copy(ckpt.checkpoint_path(v2_dir, 20), back_dir)
+    shutil.copy(checkpoint_path(v2_dir, 20), back_dir)
     code, back = train(v1_main, tmp_path, "--checkpoint-dir", back_dir, "--resume", "auto", name="back")
     assert code == 0
     assert back["loss"]["history"] == pytest.approx(expected, rel=1e-4)
@@ -298,7 +303,7 @@ def test_v1_checkpoint_resumes_in_v4_and_back(tmp_path):
     expected = json.loads(out.read_text())["loss"]["history"]
     for source, target, main, start in (("v1", "v4", v4.main, 6), ("v4", "back", v1_main, 8)):
         (tmp_path / target).mkdir()
-        shutil.copy(ckpt.checkpoint_path(tmp_path / source, start), tmp_path / target)
+        shutil.copy(checkpoint_path(tmp_path / source, start), tmp_path / target)
         out = tmp_path / f"{target}.json"
         stop = ["--num-steps", "8"] if target == "v4" else []
         assert main(short + stop + ["--checkpoint-dir", str(tmp_path / target), "--resume", "auto",
@@ -320,7 +325,7 @@ def reference_model_names():
 def good_checkpoint(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("good")
     assert train(v1_main, tmp, "--num-steps", "6", "--save-every", "6", "--checkpoint-dir", tmp / "c")[0] == 0
-    return ckpt.checkpoint_path(tmp / "c", 6)
+    return checkpoint_path(tmp / "c", 6)
 
 
 def flip_bytes(data: bytes, where: float) -> bytes:
@@ -412,18 +417,18 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint(good_checkpoint, tmp_path
     directory = tmp_path / "c"
     directory.mkdir()
     shutil.copy(good_checkpoint, directory)
-    damaged = ckpt.checkpoint_path(directory, 9)
+    damaged = checkpoint_path(directory, 9)
     damaged.write_bytes(good_checkpoint.read_bytes()[:1000])
     code = v1_main(RUN + ["--checkpoint-dir", str(directory), "--resume", "auto"])
     out = capsys.readouterr().out
     assert code == 0
-    assert f"skips {damaged}" in out and f"resumed     : from {ckpt.checkpoint_path(directory, 6)}" in out
+    assert f"skips {damaged}" in out and f"resumed     : from {checkpoint_path(directory, 6)}" in out
 
 
 def test_resume_auto_with_only_damaged_checkpoints_is_exit_2(good_checkpoint, tmp_path, capsys):
     directory = tmp_path / "c"
     directory.mkdir()
-    ckpt.checkpoint_path(directory, 9).write_bytes(os.urandom(2000))
+    checkpoint_path(directory, 9).write_bytes(os.urandom(2000))
     before = snapshot(directory)
     code = v1_main(RUN + ["--checkpoint-dir", str(directory), "--resume", "auto", "--save-every", "1"])
     err = capsys.readouterr().err.strip().splitlines()

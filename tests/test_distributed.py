@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tinytransformer import distributed
+from tinytransformer import deepspeed_engine, distributed
 from tinytransformer.config import ConfigError, TrainConfig
 from version1_pytorch_baseline.tiny_llama_v1 import main as v1_main
 
@@ -332,7 +332,7 @@ def test_backend_choice():
 
 def test_deepspeed_config_is_built_from_the_flags():
     train = TrainConfig(batch_size=4, deepspeed=True, zero_stage=2, use_amp=True, amp_dtype="bfloat16")
-    config = distributed.build_deepspeed_config(train, world_size=8,
+    config = deepspeed_engine.build_deepspeed_config(train, world_size=8,
                                                 file_settings={"zero_optimization": {"stage": 1,
                                                                                      "overlap_comm": True},
                                                                "train_batch_size": "auto"})
@@ -340,7 +340,7 @@ def test_deepspeed_config_is_built_from_the_flags():
     assert config["gradient_accumulation_steps"] == 1
     assert config["zero_optimization"] == {"stage": 2, "overlap_comm": True}   # the flag wins over the file
     assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
-    plain = distributed.build_deepspeed_config(TrainConfig(deepspeed=True), world_size=1)
+    plain = deepspeed_engine.build_deepspeed_config(TrainConfig(deepspeed=True), world_size=1)
     assert plain["zero_optimization"] == {"stage": 0} and not plain["bf16"]["enabled"]
 
 

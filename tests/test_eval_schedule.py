@@ -8,8 +8,9 @@ import torch
 from tinytransformer.cli import build_parser
 from tinytransformer.config import ModelConfig, TrainConfig
 from tinytransformer.data import STDLIB_MODULES, BatchStream, build_corpora, stdlib_text_bytes
-from tinytransformer.trainer import (COSINE_FLOOR, learning_rate_at, make_learning_rate_a_tensor, set_learning_rate,
-                                     validation_loss)
+from tinytransformer.training.schedule import (COSINE_FLOOR, learning_rate_at, make_learning_rate_a_tensor,
+                                               set_learning_rate)
+from tinytransformer.training.validation import validation_loss
 from tinytransformer.weights import init_canonical_weights
 from version1_pytorch_baseline.tiny_llama_v1 import TinyLlama
 from version1_pytorch_baseline.tiny_llama_v1 import main as v1_main

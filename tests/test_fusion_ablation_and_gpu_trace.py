@@ -5,7 +5,8 @@ import pytest
 import sys
 from pathlib import Path
 
-from tinytransformer import reports
+from tinytransformer.profiling import analysis
+from tinytransformer.profiling.trace import load_trace
 from version2_pytorch_fused.fusion_ablation import combinations
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -34,12 +35,12 @@ def test_ablation_runs_on_cpu():
 
 def test_gpu_trace_fixture_is_analysed():
     """A small version-1 trace recorded on an H100 (batch 2, seq 32, 1 profiled step)."""
-    trace = reports.load_trace(GPU_TRACE)
-    assert reports.has_device_activity(trace)
-    kernels = reports.kernels_per_step(trace)
+    trace = load_trace(GPU_TRACE)
+    assert analysis.has_device_activity(trace)
+    kernels = analysis.kernels_per_step(trace)
     assert kernels is not None and 300 < kernels < 1000
-    top = reports.top_kernels(trace, limit=5)
+    top = analysis.top_kernels(trace, limit=5)
     assert top and all(row["total_us"] > 0 for row in top)
-    phases = reports.phase_split(trace)
+    phases = analysis.phase_split(trace)
     assert phases["basis"] == "device"
     assert phases["us"]["attention"] > 0 and phases["us"]["backward"] > 0 and phases["us"]["optimizer"] > 0

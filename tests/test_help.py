@@ -24,8 +24,9 @@ def help_text(script: Path) -> str:
     sys.path.insert(0, str(script.parent))   # as `python SCRIPT` does
     try:
         with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
-            if script.parent.name == "tinytransformer":   # `python -m tinytransformer.NAME` calls its main()
-                importlib.import_module(f"tinytransformer.{script.stem}").main(["--help"])
+            parts = script.relative_to(REPO_ROOT).with_suffix("").parts
+            if parts[0] == "tinytransformer":   # `python -m tinytransformer.PACKAGE.NAME` calls its main()
+                importlib.import_module(".".join(parts)).main(["--help"])
             else:
                 runpy.run_path(str(script), run_name="__main__")
     finally:

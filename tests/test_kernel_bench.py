@@ -1,4 +1,4 @@
-"""The kernel microbenchmark scripts of versions 3 and 4 and their shared code, tinytransformer/kernel_bench.py.
+"""The kernel microbenchmark scripts of versions 3 and 4 and their shared code, tinytransformer/kernel_bench/.
 
 On CPU: --check in Triton's interpreter at tiny sizes, the byte models against hand-computed numbers, the
 --kernel filter, bad input (one line, exit 2), the no-GPU message, and the whole timing path with do_bench
@@ -16,7 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinytransformer import kernel_bench as kb
+from tinytransformer.kernel_bench import timing as bench_timing
+from tinytransformer.kernel_bench.cli import EXIT_CHECK_FAILED
+from tinytransformer.kernel_bench.cli import main as benchmark_main
+from tinytransformer.kernel_bench.correctness import relative_error, tolerance_for
+from tinytransformer.kernel_bench.ops import BenchShape, torch_rms_norm
 from tinytransformer.precision import tf32_enabled, tf32_setting
 from version3_triton import run_triton_profiling as v3
 from version4_triton_ultra import run_kernel_benchmarks as v4
@@ -26,8 +30,8 @@ HAS_GPU = torch.cuda.is_available()
 # Head dim 16 (the smallest the flash kernel takes); sequence, FFN and vocabulary not powers of two.
 TINY = ["--batch-size", "1", "--seq-len", "24", "--hidden-dim", "32", "--num-heads", "2",
         "--intermediate-size", "40", "--vocab-size", "50"]
-SEED = kb.BenchShape(batch_size=8, seq_len=128, hidden_dim=256, num_heads=8, intermediate_size=512,
-                     vocab_size=1000, dtype=torch.float32)
+SEED = BenchShape(batch_size=8, seq_len=128, hidden_dim=256, num_heads=8, intermediate_size=512,
+                  vocab_size=1000, dtype=torch.float32)
 SEED_BF16 = dataclasses.replace(SEED, dtype=torch.bfloat16)
 CPU_ONLY = pytest.mark.skipif(HAS_GPU, reason="exercises the no-GPU (interpreter) behaviour")
 EXPECTED_TENSORS = {
@@ -81,13 +85,13 @@ def test_bfloat16_flash_attention_is_skipped_loudly_in_the_interpreter(tmp_path,
 @pytest.mark.parametrize("wrong", ["off by 1%", "nan"])
 def test_a_wrong_kernel_fails_the_check_with_exit_1(wrong, tmp_path, capsys):
     def broken(x, weight):
-        y = kb.torch_rms_norm(x, weight, v3.EPS)
+        y = torch_rms_norm(x, weight, v3.EPS)
         return y * 1.01 if wrong == "off by 1%" else y + float("nan")
 
     ops = [dataclasses.replace(v3.RMSNORM, triton=broken)]
     path = tmp_path / "out.json"
-    code = kb.main(ops, prog="bench", description="", argv=["--check", "--output-json", str(path), *TINY])
-    assert code == kb.EXIT_CHECK_FAILED
+    code = benchmark_main(ops, prog="bench", description="", argv=["--check", "--output-json", str(path), *TINY])
+    assert code == EXIT_CHECK_FAILED
     out = capsys.readouterr().out
     assert "FAIL" in out and "not timing a wrong kernel" in out
     report = json.loads(path.read_text())   # strict JSON: a non-finite error is written as null
@@ -103,30 +107,30 @@ def test_the_check_runs_torch_matmuls_in_float32_whatever_the_process_chose(monk
 
     def recording(x, weight):
         seen.append(tf32_enabled())
-        return kb.torch_rms_norm(x, weight, v3.EPS)
+        return torch_rms_norm(x, weight, v3.EPS)
 
-    monkeypatch.setattr(kb, "timing_available", lambda: False)   # the check only: timing keeps the setting
+    monkeypatch.setattr(bench_timing, "timing_available", lambda: False)   # the check only: timing keeps the setting
     ops = [dataclasses.replace(v3.RMSNORM, triton=recording)]
     with tf32_setting(True):   # put back by the block (and by conftest's fixture), not by monkeypatch
-        code = kb.main(ops, prog="bench", description="", argv=["--check", "--output-json", str(tmp_path / "o.json"),
-                                                                  *TINY])
+        code = benchmark_main(ops, prog="bench", description="",
+                              argv=["--check", "--output-json", str(tmp_path / "o.json"), *TINY])
         assert code == 0 and seen and not any(seen)
         assert tf32_enabled()
 
 
 def test_relative_error_never_passes_nan_or_a_wrong_shape():
     ref = torch.randn(5, 3)
-    assert kb.relative_error(ref.clone(), ref) == 0.0
-    assert math.isinf(kb.relative_error(torch.full_like(ref, float("nan")), ref))
-    assert math.isinf(kb.relative_error(ref[:4], ref))
-    assert kb.relative_error(ref * 1.5, ref) == pytest.approx(0.5)
+    assert relative_error(ref.clone(), ref) == 0.0
+    assert math.isinf(relative_error(torch.full_like(ref, float("nan")), ref))
+    assert math.isinf(relative_error(ref[:4], ref))
+    assert relative_error(ref * 1.5, ref) == pytest.approx(0.5)
 
 
 def test_tf32_tolerance_only_for_float32_dots_on_an_nvidia_gpu():
     cpu = torch.device("cpu")
-    assert kb.tolerance_for(v3.FLASH_ATTENTION, torch.float32, cpu) == 1e-5
-    assert kb.tolerance_for(v3.RMSNORM, torch.bfloat16, cpu) == 2e-2
-    assert kb.tolerance_for(v3.FLASH_ATTENTION, torch.float16, cpu) == 5e-3
+    assert tolerance_for(v3.FLASH_ATTENTION, torch.float32, cpu) == 1e-5
+    assert tolerance_for(v3.RMSNORM, torch.bfloat16, cpu) == 2e-2
+    assert tolerance_for(v3.FLASH_ATTENTION, torch.float16, cpu) == 5e-3
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -191,17 +195,17 @@ def test_every_direction_has_a_formula_naming_its_tensors():
 # ----------------------------------------------------------------------------------------------------------
 def test_input_set_count():
     mb = 2 ** 20
-    assert kb.input_set_count(60 * mb, 50 * mb) == 1          # larger than L2: one set
-    assert kb.input_set_count(30 * mb, 50 * mb) == 4          # 2 * 50 / 30 rounded up
-    assert kb.input_set_count(3 * mb, 50 * mb) == 34
-    assert kb.input_set_count(1 * mb, 50 * mb) == kb.MAX_INPUT_SETS
-    assert kb.input_set_count(1 * mb, 0) == 1                 # no cache size known (CPU)
-    assert kb.input_set_count(40 * mb, 50 * mb) == 3          # at least 2 whenever one call fits
+    assert bench_timing.input_set_count(60 * mb, 50 * mb) == 1          # larger than L2: one set
+    assert bench_timing.input_set_count(30 * mb, 50 * mb) == 4          # 2 * 50 / 30 rounded up
+    assert bench_timing.input_set_count(3 * mb, 50 * mb) == 34
+    assert bench_timing.input_set_count(1 * mb, 50 * mb) == bench_timing.MAX_INPUT_SETS
+    assert bench_timing.input_set_count(1 * mb, 0) == 1                 # no cache size known (CPU)
+    assert bench_timing.input_set_count(40 * mb, 50 * mb) == 3          # at least 2 whenever one call fits
 
 
 def test_rotating_cycles_through_the_calls():
     seen = []
-    fn = kb.rotating([lambda i=i: seen.append(i) for i in range(3)])
+    fn = bench_timing.rotating([lambda i=i: seen.append(i) for i in range(3)])
     for _ in range(7):
         fn()
     assert seen == [0, 1, 2, 0, 1, 2, 0]
@@ -219,10 +223,10 @@ def fake_timing(monkeypatch):
         calls.append(fn)
         return 0.002
 
-    monkeypatch.setattr(kb, "timing_available", lambda: True)
-    monkeypatch.setattr(kb, "median_ms", fake_median_ms)
-    monkeypatch.setattr(kb, "l2_cache_bytes", lambda device: 8 * 1024)
-    monkeypatch.setattr(kb, "allocated_bytes", lambda device: 0)   # the same set counts on a GPU machine
+    monkeypatch.setattr(bench_timing, "timing_available", lambda: True)
+    monkeypatch.setattr(bench_timing, "median_ms", fake_median_ms)
+    monkeypatch.setattr(bench_timing, "l2_cache_bytes", lambda device: 8 * 1024)
+    monkeypatch.setattr(bench_timing, "allocated_bytes", lambda device: 0)   # the same set counts on a GPU machine
     return calls
 
 
@@ -233,8 +237,8 @@ def test_timing_path_rows_table_footnote_and_json(script, fake_timing, tmp_path,
     assert code == 0
     out = capsys.readouterr().out
     ops = [op for op in script.OPS if script is v4 or op.name != "rope"]
-    shape = kb.BenchShape(batch_size=1, seq_len=24, hidden_dim=32, num_heads=2, intermediate_size=40,
-                          vocab_size=50, dtype=torch.float32)
+    shape = BenchShape(batch_size=1, seq_len=24, hidden_dim=32, num_heads=2, intermediate_size=40,
+                       vocab_size=50, dtype=torch.float32)
     expected = [(op.name, d, label) for op in ops for d in op.directions for label in op.pytorch]
     assert [(r["op"], r["direction"], r["pytorch"]) for r in report["timings"]] == expected
     assert len(fake_timing) == sum(len(op.directions) * (1 + len(op.pytorch)) for op in ops)
@@ -243,7 +247,8 @@ def test_timing_path_rows_table_footnote_and_json(script, fake_timing, tmp_path,
         assert row["pytorch_us"] == row["triton_us"] == pytest.approx(2.0) and row["speedup"] == pytest.approx(1)
         assert row["bytes"] == op.bytes_moved(shape, row["direction"])
         assert row["triton_gbps"] == pytest.approx(row["bytes"] / 2.0 / 1e3)   # bytes per microsecond / 1000
-    assert report["do_bench"] == {"warmup_ms": kb.WARMUP_MS, "rep_ms": kb.REP_MS, "return_mode": "median"}
+    assert report["do_bench"] == {"warmup_ms": bench_timing.WARMUP_MS, "rep_ms": bench_timing.REP_MS,
+                                  "return_mode": "median"}
     # Calls whose data fits the fake 8 KB L2 rotate through enough sets to fill 16 KB. rmsnorm's forward
     # reads x and weight (3,200 bytes): 6 sets; its backward also dy (3,072 more; no GPU memory to measure
     # for saved tensors on CPU): 3 sets. swiglu fwd reads gate_up (7,680 bytes): 3 sets; flash attention's

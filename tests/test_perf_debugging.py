@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from tinytransformer.config import ModelConfig
 from tinytransformer.precision import set_tf32
-from tinytransformer.trainer import EagerStep
+from tinytransformer.training.step import EagerStep
 
 from .equivalence import canonical, compare, forward_backward, random_batch, rel_err
 

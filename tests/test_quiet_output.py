@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinytransformer.profiling import PyTorchProfilerSession
+from tinytransformer.profiling.session import PyTorchProfilerSession
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--hidden-dim", "32", "--num-heads", "2", "--num-layers", "1", "--intermediate-size", "64",

@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinytransformer import checkpoint as ckpt
-from tinytransformer import progress as progress_mod
-from tinytransformer.progress import Progress
-from tinytransformer.stopping import StepAbandoned, StopOnSignal, may_abandon
+from tinytransformer.training import progress as progress_mod
+from tinytransformer.training.checkpoint import files as ckpt_files
+from tinytransformer.training.checkpoint.files import list_checkpoints
+from tinytransformer.training.checkpoint.loading import read_checkpoint
+from tinytransformer.training.progress import Progress
+from tinytransformer.training.stopping import StepAbandoned, StopOnSignal, may_abandon
 from version1_pytorch_baseline import tiny_llama_v1 as v1
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -121,7 +123,7 @@ def test_signal_in_the_forward_pass_abandons_the_step_and_the_run_resumes_exactl
     assert "step      5/12 | loss" in out and "step      6/12 | loss" not in out
     assert stopped["steps_completed"] == 5 and stopped["status"] == "stopped by SIGINT"
     assert stopped["loss"]["history"] == reference["loss"]["history"][:5]
-    assert [s for s, _ in ckpt.list_checkpoints(directory)] == [5]
+    assert [s for s, _ in list_checkpoints(directory)] == [5]
     monkeypatch.undo()
     resumed = resume(tmp_path, directory)
     assert resumed["loss"]["history"] == reference["loss"]["history"]   # bit for bit
@@ -134,7 +136,7 @@ def test_sigterm_in_the_backward_pass_abandons_the_step(reference, tmp_path, mon
     code, stopped = train(tmp_path, "--checkpoint-dir", directory, name="stopped")
     assert code == 143
     assert "SIGTERM received during step 3/12, abandoned: stopping after step 2" in capsys.readouterr().out
-    assert [s for s, _ in ckpt.list_checkpoints(directory)] == [2]
+    assert [s for s, _ in list_checkpoints(directory)] == [2]
     monkeypatch.undo()
     assert resume(tmp_path, directory)["loss"]["history"] == reference["loss"]["history"]
 
@@ -147,7 +149,7 @@ def test_signal_in_the_optimizer_step_finishes_that_step(reference, tmp_path, mo
     assert code == 0
     assert "SIGINT received: stopping after step 7, writing a checkpoint" in out and "abandoned" not in out
     assert stopped["loss"]["history"] == reference["loss"]["history"][:7]
-    assert [s for s, _ in ckpt.list_checkpoints(directory)] == [7]
+    assert [s for s, _ in list_checkpoints(directory)] == [7]
     monkeypatch.undo()
     assert resume(tmp_path, directory)["loss"]["history"] == reference["loss"]["history"]
 
@@ -160,7 +162,7 @@ def test_signal_during_validation_abandons_it_and_the_resumed_run_computes_it(re
     assert code == 0
     assert "SIGINT received during eval 8/12, abandoned: stopping after step 8" in capsys.readouterr().out
     assert [e["step"] for e in stopped["eval"]["history"]] == [4]   # the one after step 8 was abandoned
-    assert [s for s, _ in ckpt.list_checkpoints(directory)] == [8]
+    assert [s for s, _ in list_checkpoints(directory)] == [8]
     monkeypatch.undo()
     resumed = resume(tmp_path, directory)
     assert "eval      8/12 | validation loss" in capsys.readouterr().out
@@ -173,7 +175,7 @@ def test_second_ctrl_c_during_the_checkpoint_write_keeps_the_previous_checkpoint
     half-written file is removed, the checkpoint of step 3 is intact, the exit is one line and code 130."""
     directory = tmp_path / "c"
     signal_in_forward(monkeypatch, step=5, number=signal.SIGINT)
-    write, writes = ckpt._write_payload, [0]
+    write, writes = ckpt_files._write_payload, [0]
 
     def interrupted_write(payload, file):
         writes[0] += 1
@@ -182,14 +184,14 @@ def test_second_ctrl_c_during_the_checkpoint_write_keeps_the_previous_checkpoint
             kill_self(signal.SIGINT)
         write(payload, file)
 
-    monkeypatch.setattr(ckpt, "_write_payload", interrupted_write)
+    monkeypatch.setattr(ckpt_files, "_write_payload", interrupted_write)
     code, _ = train(tmp_path, "--checkpoint-dir", directory, "--save-every", "3", "--keep-last", "0")
     captured = capsys.readouterr()
     assert code == 130
     assert "interrupted while writing" in captured.out and "earlier checkpoints are intact" in captured.out
     assert "Traceback" not in captured.err and "interrupted" in captured.err
     assert sorted(p.name for p in directory.iterdir()) == ["ckpt_step00000003.pt"]   # no temporary file
-    ckpt.read_checkpoint(directory / "ckpt_step00000003.pt")
+    read_checkpoint(directory / "ckpt_step00000003.pt")
 
 
 def test_temporary_files_of_a_killed_write_are_removed_at_the_next_start(tmp_path, capsys):
@@ -234,7 +236,7 @@ def test_save_every_uses_the_default_checkpoint_directory(tmp_path, monkeypatch)
 SLOW_THIRD_STEP = """
 import sys, time
 sys.path.insert(0, {root!r})
-from tinytransformer import progress
+from tinytransformer.training import progress
 progress.PROGRESS_INTERVAL_S = 0.5
 from version1_pytorch_baseline import tiny_llama_v1 as v1
 forward, calls = v1.TinyLlama.forward, []

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import sample
-from tinytransformer import checkpoint as ckpt
+from tinytransformer.training.checkpoint.files import checkpoint_path
 from version1_pytorch_baseline.tiny_llama_v1 import main as v1_main
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +23,7 @@ def text_checkpoint(tmp_path_factory) -> Path:
     corpus.write_bytes(TEXT)
     assert v1_main(TINY + ["--vocab-size", "256", "--data", f"text:{corpus}", "--num-steps", "150",
                            "--save-every", "150", "--checkpoint-dir", str(tmp / "c")]) == 0
-    return ckpt.checkpoint_path(tmp / "c", 150)
+    return checkpoint_path(tmp / "c", 150)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def markov_checkpoint(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("markov")
     assert v1_main(TINY + ["--vocab-size", "300", "--num-steps", "5", "--save-every", "5",
                            "--checkpoint-dir", str(tmp / "c")]) == 0
-    return ckpt.checkpoint_path(tmp / "c", 5)
+    return checkpoint_path(tmp / "c", 5)
 
 
 def sample_bytes(capsysbinary, *argv) -> bytes:

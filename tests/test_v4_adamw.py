@@ -371,7 +371,7 @@ def test_graphed_step_with_the_early_update_trains_like_the_eager_step(use_amp):
     """The graph (second stream, first group updated during backward) against eager steps (one optimizer step
     after the backward pass): the same losses and, after eight steps, the same weights (embedding frozen, see
     v4_training.py)."""
-    from tinytransformer.trainer import EagerStep
+    from tinytransformer.training.step import EagerStep
     runs = {graphed: train_frozen_embedding(graphed, num_layers=3, amp_dtype="bfloat16" if use_amp else None)
             for graphed in (True, False)}
     graphed = runs[True]

@@ -19,7 +19,7 @@ from version1_pytorch_baseline import analyze_batch_scaling as scaling
 from version1_pytorch_baseline import analyze_bottlenecks as bottlenecks
 from version1_pytorch_baseline.tiny_llama_v1 import main as v1_main
 
-from .test_reports import build_gpu_trace
+from .trace_samples import build_gpu_trace
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -156,7 +156,7 @@ def test_bottlenecks_on_the_cpu_fixture_accepts_a_directory(tmp_path):
 
 
 def test_bottlenecks_min_share_filters_targets(tmp_path):
-    trace = bottlenecks.reports.load_trace(write_json(tmp_path / "t.json", build_gpu_trace()))
+    trace = bottlenecks.load_trace(write_json(tmp_path / "t.json", build_gpu_trace()))
     numbers = bottlenecks.step_numbers(trace)
     assert [t["key"] for t in bottlenecks.prioritised_targets(trace, numbers, min_share=40)] == ["launch",
                                                                                                  "attention"]

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from tinytransformer.config import ModelConfig, TrainConfig
-from tinytransformer.trainer import EagerStep
+from tinytransformer.training.step import EagerStep
 
 
 def train_frozen_embedding(graphed, num_layers=2, amp_dtype=None, use_triton_adamw=True, steps=8):

@@ -2,7 +2,8 @@
 
 Settings are resolved in three layers: the dataclass defaults (the seed configuration), then a YAML file
 (`--config FILE` or `--preset NAME`), then the flags given on the command line. Any bad input ends with ONE
-line on stderr and exit code 2, never a traceback.
+line on stderr and exit code 2, never a traceback. The small helpers at the end of the argparse section (fail,
+parse_or_exit_code, run_command, command_line) keep the harness's other commands to the same rule.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import argparse
 import gc
 import os
 import re
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from typing import Callable
 from .config import (ConfigError, ModelConfig, TrainConfig, check_compatible, load_yaml, preset_path,
                      split_settings)
 from .distributed import finish_together, is_main_process, shutdown as leave_process_group
-from .profiling import SORT_KEYS
+from .profiling.session import SORT_KEYS
 
 EXIT_BAD_INPUT = 2
 
@@ -100,6 +102,51 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
     return value
+
+
+def parse_or_exit_code(parser: argparse.ArgumentParser, argv) -> argparse.Namespace | int:
+    """Parsed arguments, or the exit code argparse chose (0 after --help, 2 after a bad flag): for a command
+    that returns its exit code instead of ending the process."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as stop:   # OneLineParser has already printed its one line
+        return stop.code if isinstance(stop.code, int) else EXIT_BAD_INPUT
+
+
+def fail(prog: str, message: str) -> int:
+    """The one-line error of a command: printed on stderr; returns the exit code to end with."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def silence_closed_pipe() -> int:
+    """Output piped into `head`: the reader has what it wanted; keep the exit flush from failing. Returns 0."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def run_command(prog: str, body: Callable[[], int], errors: tuple = ()) -> int:
+    """Run a command's body and return its exit code: ConfigError (and `errors`) become the one-line error (exit
+    2), Ctrl-C exits with 130, and a reader that went away (`| head`) ends the command quietly."""
+    try:
+        return body()
+    except (ConfigError, *errors) as error:
+        return fail(prog, str(error))
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return silence_closed_pipe()
+
+
+def given_arguments(argv) -> list[str]:
+    """The arguments a command was given: `argv`, or the process's own when it is None."""
+    return list(sys.argv[1:] if argv is None else argv)
+
+
+def command_line(prog: str, argv) -> str:
+    """The command as typed (for reports and JSON files): prog and its arguments, quoted for a shell."""
+    return shlex.join([prog] + given_arguments(argv))
 
 
 def build_parser(spec: VersionSpec, prog: str | None = None) -> argparse.ArgumentParser:
@@ -215,11 +262,11 @@ def resolve_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]
     except TypeError as error:
         raise ConfigError(str(error)) from None
     # What the user chose, as opposed to defaults: whether --checkpoint-dir was given decides whether a stopped
-    # run writes a checkpoint, and a resumed run recomputes a default warm-up (trainer.given_explicitly).
+    # run writes a checkpoint, and a resumed run recomputes a default warm-up (checkpoint/manager.given_explicitly).
     # Not a dataclass field: it stays out of the metrics JSON and the checkpoints.
     train.given_settings = frozenset(train_settings)
     if "warmup_steps" not in train_settings:
-        from .trainer import default_warmup_steps
+        from .training.timing import default_warmup_steps
         train.warmup_steps = default_warmup_steps(train.num_steps)
     # A config file may set max_seq_len below a requested --seq-len; a flag --seq-len alone above the
     # default max is an error, reported by check_compatible with the fix to apply.
@@ -231,12 +278,11 @@ def run(spec: VersionSpec, argv=None) -> int:
     """Parse, configure, train, report. Returns the process exit code."""
     parser = build_parser(spec)
     args = parser.parse_args(argv)
-    from .trainer import Trainer  # after parsing: --help stays fast
+    from .training.trainer import Trainer  # after parsing: --help stays fast
     trainer = None
     try:
         model_config, train_config = resolve_configs(args)
-        trainer = Trainer(spec, model_config, train_config, args,
-                          argv=list(sys.argv[1:] if argv is None else argv))
+        trainer = Trainer(spec, model_config, train_config, args, argv=given_arguments(argv))
         if train_config.validate_setup:
             from .validate import validate_setup
             if not validate_setup(trainer):
@@ -258,8 +304,7 @@ def run(spec: VersionSpec, argv=None) -> int:
         return 130
     except BrokenPipeError:
         # The reader of our output went away (e.g. `... | head`): stop quietly, as command-line tools do.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return silence_closed_pipe()
     except torch_oom_errors() as error:
         print(f"{parser.prog}: error: out of GPU memory ({str(error).splitlines()[0][:120]}); "
               f"reduce --batch-size or --seq-len", file=sys.stderr)

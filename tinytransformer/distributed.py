@@ -1,4 +1,4 @@
-"""Data parallelism: torchrun and DeepSpeed set-up, rank-aware output, and the global-batch contract.
+"""Data parallelism: the process group, ranks, the DDP wrapper and the collectives a run needs.
 
 Data parallelism in one paragraph. Every rank (one process per GPU) holds a full copy of the model and
 optimizer. At step t the GLOBAL batch (a function of seed and t, see data.BatchStream) is cut into equal
@@ -17,8 +17,8 @@ environment variables; we never parse launcher flags ourselves:
 
 Rank r uses GPU cuda:LOCAL_RANK, talks to the others through NCCL (RCCL on ROCm, which PyTorch also calls
 "nccl") or, on the CPU, through gloo. The model is wrapped in DistributedDataParallel (DDP), or handed to
-DeepSpeed's engine with --deepspeed. The trainer keeps a handle to the UNWRAPPED model for everything that
-is not the training step: load_canonical, checkpoints, validation.
+DeepSpeed's engine with --deepspeed (deepspeed_engine.py). The trainer keeps a handle to the UNWRAPPED model for
+everything that is not the training step: load_canonical, checkpoints, validation.
 
 Conventions of a data-parallel run: --batch-size is per rank (the global batch is batch x ranks); reported
 samples/s are global; memory is rank 0's GPU; timing is rank 0's device events; only rank 0 prints, writes the
@@ -27,20 +27,16 @@ averages over all ranks, i.e. over the global batch.
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import socket
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, TrainConfig, check_zero_stage
+from .config import ConfigError, TrainConfig
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-DEEPSPEED_MISSING = "DeepSpeed is not installed: pip install deepspeed"
 
 
 def launched_by_torchrun(env=os.environ) -> bool:
@@ -138,7 +134,7 @@ def choose_backend(device: torch.device, requested: str) -> str:
     return requested
 
 
-def _launcher_int(env, name: str) -> int:
+def launcher_int(env, name: str) -> int:
     try:
         return int(env[name])
     except ValueError:
@@ -170,13 +166,13 @@ def setup(train: TrainConfig, device: torch.device, env=os.environ) -> Distribut
         if not train.uses_deepspeed:
             return DistributedContext(device=device)
         _pretend_single_process_launch(env)
-    rank, local_rank = _launcher_int(env, "RANK"), _launcher_int(env, "LOCAL_RANK")
-    world_size = _launcher_int(env, "WORLD_SIZE")
+    rank, local_rank = launcher_int(env, "RANK"), launcher_int(env, "LOCAL_RANK")
+    world_size = launcher_int(env, "WORLD_SIZE")
     backend = choose_backend(device, train.dist_backend)
     if device.type == "cuda":
         # One GPU per process. torchrun's LOCAL_WORLD_SIZE (processes on this node) is the same on every rank
         # of the node, so too many processes fail on all of them at once.
-        local_processes = _launcher_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else local_rank + 1
+        local_processes = launcher_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else local_rank + 1
         visible = torch.cuda.device_count()
         if max(local_processes, local_rank + 1) > visible:
             raise ConfigError(f"{local_processes} processes per node but only {visible} GPU(s) visible on this "
@@ -241,134 +237,3 @@ def graph_capture_note(args, device: torch.device, context: DistributedContext) 
         return None   # on the CPU the graph was never going to be used
     return ("the CUDA/HIP-graph step cannot capture data-parallel communication; version 4 runs its eager "
             "step under " + ("DeepSpeed" if context.engine == "deepspeed" else "DDP"))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# DeepSpeed
-# ----------------------------------------------------------------------------------------------------------
-def choose_deepspeed_accelerator(device: torch.device, env=os.environ) -> None:
-    """DeepSpeed picks its "accelerator" once, when it is first imported. Left to guess on a machine without a
-    GPU, it warns ("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect
-    it."), and on a GPU machine it would take the GPU even for a --device cpu run. The harness knows the device:
-    a CPU run says so before any part of it imports DeepSpeed (--deepspeed, --validate-setup's check of the
-    installed libraries, the FLOPS profiles). A DS_ACCELERATOR the user set is kept."""
-    if device.type == "cpu":
-        env.setdefault("DS_ACCELERATOR", "cpu")
-
-
-def import_deepspeed(device: torch.device):
-    """The deepspeed module, or ConfigError with the one line that says how to install it."""
-    choose_deepspeed_accelerator(device)
-    try:
-        with _quiet_unless_main():
-            import deepspeed
-    except ImportError:
-        raise ConfigError(DEEPSPEED_MISSING) from None
-    return deepspeed
-
-
-@contextlib.contextmanager
-def _quiet_unless_main():
-    """DeepSpeed prints set-up messages from every rank; keep only rank 0's."""
-    if is_main_process():
-        yield
-        return
-    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-        yield
-
-
-def read_deepspeed_config(path: str | None) -> dict:
-    """The user's DeepSpeed JSON file (or {}), checked to be a JSON object."""
-    if path is None:
-        return {}
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"cannot read --deepspeed-config {path}: {getattr(error, 'strerror', None) or error}") \
-            from None
-    try:
-        settings = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"--deepspeed-config {path} is not valid JSON: {error}") from None
-    if not isinstance(settings, dict):
-        raise ConfigError(f"--deepspeed-config {path} must hold a JSON object, got {type(settings).__name__}")
-    return settings
-
-
-def build_deepspeed_config(train: TrainConfig, world_size: int, file_settings: dict | None = None) -> dict:
-    """The DeepSpeed configuration of this run: the user's file (if any) with the harness's settings on top.
-
-    The harness owns the batch (--batch-size per rank, no gradient accumulation), the optimizer (torch's AdamW,
-    passed to deepspeed.initialize so no DeepSpeed op needs compiling), the learning-rate schedule (a function
-    of the step, set before each step) and the precision (--use-amp/--amp-dtype -> DeepSpeed's bf16/fp16
-    sections). A file that sets any of these differently is an error rather than a silent override.
-    """
-    config = dict(file_settings or {})
-    for owned in ("optimizer", "scheduler"):
-        if owned in config:
-            raise ConfigError(f"the DeepSpeed config sets '{owned}': remove it; the harness passes torch's AdamW "
-                              f"and sets the learning rate of every step itself (--learning-rate, --lr-schedule)")
-    batch = {"train_micro_batch_size_per_gpu": train.batch_size, "gradient_accumulation_steps": 1,
-             "train_batch_size": train.batch_size * world_size}
-    for key, value in batch.items():
-        if config.get(key, "auto") not in ("auto", value):
-            raise ConfigError(f"the DeepSpeed config sets {key}={config[key]!r}, but this run needs {value} "
-                              f"(--batch-size {train.batch_size} per rank x {world_size} rank(s)); remove it")
-        config[key] = value
-    zero = dict(config.get("zero_optimization") or {})
-    if train.zero_stage is not None:
-        zero["stage"] = train.zero_stage
-    zero.setdefault("stage", 0)
-    check_zero_stage(zero["stage"])
-    config["zero_optimization"] = zero
-    wanted = train.amp_dtype if train.use_amp else None
-    for section, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
-        enabled_in_file = bool((config.get(section) or {}).get("enabled", False))
-        if enabled_in_file and wanted != dtype:
-            raise ConfigError(f"the DeepSpeed config enables '{section}'; request it with --use-amp --amp-dtype "
-                              f"{dtype} instead (the run's precision comes from the flags)")
-        config[section] = {**(config.get(section) or {}), "enabled": wanted == dtype}
-    config.setdefault("steps_per_print", 2**31 - 1)   # the harness prints its own step lines
-    return config
-
-
-def prepare_deepspeed(train: TrainConfig, device: torch.device, env=os.environ) -> dict:
-    """Everything about --deepspeed that can fail, checked before any process waits for another: DeepSpeed is
-    importable, the config file is readable and agrees with the flags. Returns the DeepSpeed config."""
-    world_size = _launcher_int(env, "WORLD_SIZE") if launched_by_torchrun(env) else 1
-    config = build_deepspeed_config(train, world_size, read_deepspeed_config(train.deepspeed_config))
-    import_deepspeed(device)
-    return config
-
-
-def initialize_deepspeed(model, optimizer, config: dict, context: DistributedContext):
-    """deepspeed.initialize around the (unwrapped, loaded, on-device) model and torch's AdamW; returns the engine.
-
-    Stage 0 is plain data parallelism; stage 1 partitions the optimizer state (AdamW's two moments) over the
-    ranks, stage 2 the gradients too: each rank then keeps 1/N of them, which saves memory, not time.
-    With bf16 (--use-amp --amp-dtype bfloat16) DeepSpeed keeps the weights in bfloat16 and a float32 master copy
-    in the optimizer, instead of autocasting float32 weights.
-    """
-    deepspeed = import_deepspeed(context.device)
-    import logging
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)   # its INFO lines would bury the harness's output
-    with _quiet_unless_main():
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    return engine
-
-
-class DeepSpeedStep:
-    """The training step under DeepSpeed: the engine runs forward, backward (with its gradient reduction and,
-    under float16, its loss scaling) and the optimizer step (which also zeroes the gradients)."""
-
-    supports_breakdown = False
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def __call__(self, inputs, targets):
-        _, loss = self.engine(inputs, targets)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.detach().float()
-

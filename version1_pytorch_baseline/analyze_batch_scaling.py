@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
-from tinytransformer import reports  # noqa: E402
-from tinytransformer.profiler_cli import newest_trace_in  # noqa: E402
+from tinytransformer.profiling import analysis  # noqa: E402
+from tinytransformer.profiling.trace import TraceError, load_trace, newest_trace_in  # noqa: E402
 
 # Fixed cost above this share of the smallest run's step: launch-bound; below the second: compute-bound.
 LAUNCH_BOUND_SHARE = 0.5
@@ -83,7 +83,7 @@ def embedding_shape(trace) -> tuple[int, int] | None:
 
 
 def add_trace_numbers(row: dict, trace) -> None:
-    summary = reports.summarize(trace)
+    summary = analysis.summarize(trace)
     row["kernels_per_step"] = summary["kernels_per_step"] if row["kernels_per_step"] is None \
         else row["kernels_per_step"]
     row["gpu_us_per_step"] = summary["device_us_per_step"]
@@ -94,13 +94,13 @@ def run_from_directory(directory: Path) -> dict:
     candidates = [p for p in sorted(directory.glob("*.json")) if not p.name.startswith("trace_")]   # not traces
     metrics = [(p, data) for p in candidates if is_metrics(data := read_json(p))]
     trace_path = newest_trace_in(directory)
-    trace = reports.load_trace(trace_path) if trace_path else None
+    trace = load_trace(trace_path) if trace_path else None
     if metrics:
         path, data = max(metrics, key=lambda item: item[0].stat().st_mtime)
         row = run_from_metrics(data, str(path))
     elif trace is not None:
         shape = embedding_shape(trace)
-        summary = reports.summarize(trace)
+        summary = analysis.summarize(trace)
         if shape is None or not summary["step_us_mean"]:
             raise ScalingError(f"{directory}: no metrics JSON, and its trace shows no batch shape or no steps "
                                "(run with --output-json DIR/metrics.json)")
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
         parser.error("give --metrics FILE... and/or --profile-dirs DIR...")
     try:
         runs = collect_runs(args.metrics, args.profile_dirs)
-    except (ScalingError, reports.TraceError) as error:
+    except (ScalingError, TraceError) as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
     print(table(runs))

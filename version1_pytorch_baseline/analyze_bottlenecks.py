@@ -4,9 +4,10 @@
     python analyze_bottlenecks.py --profile-data pytorch_profiles/ --output-report bottlenecks_v1.md
 
 --profile-data is a trace file (trace_v1.json, *.pt.trace.json, .gz too) or a directory holding one (the newest
-is used). The tables come from tinytransformer/reports.py, the same analysis as run_pytorch_profiler.py; this
-script adds the judgement: a prioritised list of optimisation targets, each with the evidence from the trace
-and the change that addresses it (and the version of the workshop that makes that change).
+is used). The tables come from tinytransformer/profiling/analysis.py, the same analysis as
+run_pytorch_profiler.py; this script adds the judgement: a prioritised list of optimisation targets, each with
+the evidence from the trace and the change that addresses it (and the version of the workshop that makes that
+change).
 
 The first question is always whether the GPU is the bottleneck at all. GPU busy = the sum of kernel times per
 step / the step's wall time as the host saw it. Far below 100% means the GPU mostly waits for the host to
@@ -25,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
-from tinytransformer import reports  # noqa: E402
-from tinytransformer.profiler_cli import resolve_trace_argument  # noqa: E402
+from tinytransformer.profiling import analysis  # noqa: E402
+from tinytransformer.profiling.trace import TraceError, load_trace, resolve_trace_argument  # noqa: E402
 
 LAUNCH_BOUND_BUSY = 0.5      # GPU busy below this: launch-bound
 MIN_SHARE_PERCENT = 3.0      # parts taking less of the step than this are not listed as targets
@@ -77,7 +78,7 @@ OPERATOR_CLUES = {
 # ----------------------------------------------------------------------------------------------------------
 def step_numbers(trace) -> dict:
     """Per-step headline numbers: host time, GPU time, GPU busy fraction, kernels and operators."""
-    summary = reports.summarize(trace)
+    summary = analysis.summarize(trace)
     host_us = summary["step_us_mean"]
     gpu_us = summary["device_us_per_step"]
     busy = gpu_us / host_us if (gpu_us is not None and host_us) else None
@@ -88,9 +89,9 @@ def step_numbers(trace) -> dict:
 
 def kernels_by_phase(trace) -> dict[str, list[tuple[str, float]]]:
     """phase -> [(kernel name, us per profiled step)], longest first (GPU traces only)."""
-    steps = max(1, len(reports.profiler_steps(trace)))
+    steps = max(1, len(analysis.profiler_steps(trace)))
     totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for kernel in reports.device_kernels(trace, include_memory_ops=False):
+    for kernel in analysis.device_kernels(trace, include_memory_ops=False):
         if kernel["step"] is not None:
             totals[kernel["phase"]][kernel["name"]] += kernel["dur_us"] / steps
     return {phase: sorted(names.items(), key=lambda item: -item[1]) for phase, names in totals.items()}
@@ -114,9 +115,9 @@ def launch_target(numbers: dict) -> dict | None:
 
 def phase_targets(trace, min_share: float) -> list[dict]:
     """One target per model part / phase above min_share percent, largest first."""
-    phases = reports.phase_split(trace)
+    phases = analysis.phase_split(trace)
     kernels = kernels_by_phase(trace) if phases["basis"] == "device" else {}
-    operators = {row["name"] for row in reports.top_operators(trace, limit=None)}
+    operators = {row["name"] for row in analysis.top_operators(trace, limit=None)}
     unit = "GPU" if phases["basis"] == "device" else "host (CPU self time)"
     targets = []
     for row in sorted(phases["rows"], key=lambda r: -r["us"]):
@@ -186,9 +187,9 @@ def verdict(numbers: dict) -> str:
 def build_report(trace, top: int, min_share: float) -> tuple[str, dict]:
     """(markdown text, the same content as a JSON-serialisable dict)."""
     numbers = step_numbers(trace)
-    phases = reports.phase_split(trace)
-    operators = reports.top_operators(trace, limit=top)
-    kernels = reports.top_kernels(trace, limit=top)
+    phases = analysis.phase_split(trace)
+    operators = analysis.top_operators(trace, limit=top)
+    kernels = analysis.top_kernels(trace, limit=top)
     targets = prioritised_targets(trace, numbers, min_share)
 
     def value(v, spec, unit=""):
@@ -243,8 +244,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         trace_path, note = resolve_trace_argument(args.profile_data)
-        trace = reports.load_trace(trace_path)
-    except reports.TraceError as error:
+        trace = load_trace(trace_path)
+    except TraceError as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
     if note:

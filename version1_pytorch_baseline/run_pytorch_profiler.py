@@ -2,14 +2,14 @@
 
 Run:   python run_pytorch_profiler.py [training flags] [--profile-dir DIR] [--sort-by KEY] [--limit N]
        python run_pytorch_profiler.py --analyze-existing pytorch_profiles/     (no training, no GPU needed)
-All the work is shared by every version: tinytransformer/profiler_cli.py.
+All the work is shared by every version: tinytransformer/profiling/pytorch_profiler_cli.py.
 """
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
-from tinytransformer.profiler_cli import pytorch_profiler_main  # noqa: E402
+from tinytransformer.profiling.pytorch_profiler_cli import pytorch_profiler_main  # noqa: E402
 from version1_pytorch_baseline.tiny_llama_v1 import SPEC  # noqa: E402
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from tinytransformer.cli import VersionSpec, run  # noqa: E402
 from tinytransformer.config import ModelConfig  # noqa: E402
-from tinytransformer.profiling import profile_range  # noqa: E402
+from tinytransformer.profiling.ranges import profile_range  # noqa: E402
 
 
 class RMSNorm(nn.Module):

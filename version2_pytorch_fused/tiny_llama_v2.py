@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from tinytransformer.cli import VersionSpec, run  # noqa: E402
 from tinytransformer.config import ModelConfig  # noqa: E402
-from tinytransformer.profiling import profile_range  # noqa: E402
+from tinytransformer.profiling.ranges import profile_range  # noqa: E402
 from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
                                      init_canonical_weights, split)
 

@@ -10,7 +10,7 @@ matmul-softmax-matmul and against F.scaled_dot_product_attention). Without a GPU
 `--check` then verifies the kernels in Triton's CPU interpreter at a small size.
 
 This file only describes the ops; how they are checked, timed and reported (and why that way) is in
-tinytransformer/kernel_bench.py, shared with version 4's run_kernel_benchmarks.py.
+tinytransformer/kernel_bench/, shared with version 4's run_kernel_benchmarks.py.
 """
 import functools
 import math
@@ -26,7 +26,8 @@ from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa:
 
 enable_interpreter_if_no_gpu()  # without a GPU: Triton's interpreter, chosen before the kernels import triton
 
-from tinytransformer import kernel_bench as kb  # noqa: E402
+from tinytransformer.kernel_bench import ops as kb  # noqa: E402
+from tinytransformer.kernel_bench.cli import main as benchmark_main  # noqa: E402
 from version3_triton.kernels import flash_attention as attention_kernels  # noqa: E402
 from version3_triton.kernels import rmsnorm as rmsnorm_kernels  # noqa: E402
 from version3_triton.kernels import rope as rope_kernels  # noqa: E402
@@ -168,10 +169,9 @@ OPS = [RMSNORM, ROPE, SWIGLU, FLASH_ATTENTION]
 
 
 def main(argv=None) -> int:
-    return kb.main(OPS, prog="run_triton_profiling.py", argv=argv,
-                   description="Version 3's Triton kernels against the PyTorch code they replace: forward and "
-                               "backward median times, speed-up and achieved GB/s (see "
-                               "tinytransformer/kernel_bench.py for the method).")
+    description = ("Version 3's Triton kernels against the PyTorch code they replace: forward and backward "
+                   "median times, speed-up and achieved GB/s (see tinytransformer/kernel_bench/ for the method).")
+    return benchmark_main(OPS, prog="run_triton_profiling.py", description=description, argv=argv)
 
 
 if __name__ == "__main__":

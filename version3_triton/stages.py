@@ -40,8 +40,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from tinytransformer.config import ModelConfig  # noqa: E402
-from tinytransformer.profiling import profile_range  # noqa: E402
-from tinytransformer.trainer import EagerStep  # noqa: E402
+from tinytransformer.profiling.ranges import profile_range  # noqa: E402
+from tinytransformer.training.step import EagerStep  # noqa: E402
 from tinytransformer.triton_support import num_warps_for  # noqa: E402
 from tinytransformer.weights import check_canonical, fuse, init_canonical_weights  # noqa: E402
 from version3_triton.kernels.swiglu import swiglu_fused  # noqa: E402

@@ -15,7 +15,7 @@ Without a GPU there is nothing to time: `--check` then verifies the ops in Trito
 size.
 
 This file only describes the ops; how they are checked, timed and reported (and why that way) is in
-tinytransformer/kernel_bench.py, shared with version 3.
+tinytransformer/kernel_bench/, shared with version 3.
 """
 import sys
 from pathlib import Path
@@ -29,7 +29,8 @@ from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa:
 
 enable_interpreter_if_no_gpu()  # without a GPU: Triton's interpreter, chosen before the kernels import triton
 
-from tinytransformer import kernel_bench as kb  # noqa: E402
+from tinytransformer.kernel_bench import ops as kb  # noqa: E402
+from tinytransformer.kernel_bench.cli import main as benchmark_main  # noqa: E402
 from version4_triton_ultra.kernels import add_rmsnorm as norm_kernels  # noqa: E402
 from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm, embedding_rms_norm  # noqa: E402
 from version4_triton_ultra.kernels.embedding_backward import embedding_lookup  # noqa: E402
@@ -186,10 +187,9 @@ OPS = [ADD_RMSNORM, LINEAR_CROSS_ENTROPY, EMBEDDING, EMBEDDING_RMSNORM]
 
 
 def main(argv=None) -> int:
-    return kb.main(OPS, prog="run_kernel_benchmarks.py", argv=argv,
-                   description="Version 4's fused Triton ops against the PyTorch code they replace: forward and "
-                               "backward median times, speed-up and achieved GB/s (see "
-                               "tinytransformer/kernel_bench.py for the method).")
+    description = ("Version 4's fused Triton ops against the PyTorch code they replace: forward and backward "
+                   "median times, speed-up and achieved GB/s (see tinytransformer/kernel_bench/ for the method).")
+    return benchmark_main(OPS, prog="run_kernel_benchmarks.py", description=description, argv=argv)
 
 
 if __name__ == "__main__":

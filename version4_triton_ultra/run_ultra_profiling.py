@@ -2,7 +2,7 @@
 
 Each version is profiled in a fresh process (so one version's global settings, such as version 4's TF32 switch,
 cannot leak into another) with the PyTorch profiler, at the same configuration. The traces are then analysed
-with tinytransformer.reports, so the kernel counts quoted in the docs are measured, not asserted.
+with tinytransformer.profiling, so the kernel counts quoted in the docs are measured, not asserted.
 
     python run_ultra_profiling.py                        (seed config, float32, all four versions)
     python run_ultra_profiling.py --use-amp --versions v2,v4 --output-dir ultra_profiles
@@ -22,7 +22,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from tinytransformer import reports  # noqa: E402
+from tinytransformer.profiling import analysis  # noqa: E402
+from tinytransformer.profiling.trace import TraceError, load_trace  # noqa: E402
 
 SCRIPTS = {
     "v1": REPO_ROOT / "version1_pytorch_baseline" / "tiny_llama_v1.py",
@@ -70,14 +71,14 @@ def profile_version(version: str, out_dir: Path, train_flags: list[str]) -> Path
 
 
 def analyse(trace_path: Path) -> dict:
-    trace = reports.load_trace(trace_path)
-    steps = max(1, len(reports.profiler_steps(trace)))
+    trace = load_trace(trace_path)
+    steps = max(1, len(analysis.profiler_steps(trace)))
     per_family = defaultdict(float)
-    for kernel in reports.device_kernels(trace, include_memory_ops=True):
+    for kernel in analysis.device_kernels(trace, include_memory_ops=True):
         if kernel["step"] is not None:
             per_family[family_of(kernel["name"])] += kernel["dur_us"] / steps
-    return {"kernels_per_step": reports.kernels_per_step(trace),
-            "step_wall_us": reports.summarize(trace)["step_us_mean"],   # host view, profiler overhead included
+    return {"kernels_per_step": analysis.kernels_per_step(trace),
+            "step_wall_us": analysis.summarize(trace)["step_us_mean"],   # host view, profiler overhead included
             "device_us_per_step": sum(per_family.values()),
             "family_us_per_step": dict(per_family)}
 
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
             if not args.analyze_only:
                 trace = profile_version(version, out_dir, train_flags)
             results[version] = analyse(trace)
-        except (RuntimeError, reports.TraceError) as error:
+        except (RuntimeError, TraceError) as error:
             print(f"{parser.prog}: error: {error}", file=sys.stderr)
             return 1 if not args.analyze_only else 2
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))

@@ -55,8 +55,8 @@ enable_interpreter_if_no_gpu()  # must precede the first `import triton` (inside
 from tinytransformer.cli import VersionSpec, build_parser, resolve_configs, run  # noqa: E402
 from tinytransformer.config import ConfigError, ModelConfig, head_dim_advice  # noqa: E402
 from tinytransformer.precision import set_tf32  # noqa: E402
-from tinytransformer.profiling import profile_range  # noqa: E402
-from tinytransformer.trainer import EagerStep  # noqa: E402
+from tinytransformer.profiling.ranges import profile_range  # noqa: E402
+from tinytransformer.training.step import EagerStep  # noqa: E402
 from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
                                      init_canonical_weights, split)
 from version3_triton.kernels import flash_attention as attention_kernels  # noqa: E402

@@ -1,13 +1,10 @@
-"""Profiling glue shared by every version: named ranges, the PyTorch profiler, DeepSpeed's FLOPS profiler.
+"""The PyTorch profiler over a few training steps of a run: its schedule, the traces it writes, torch's table.
 
-Named ranges. Each model wraps its parts in `profile_range("attention")` etc. They appear as
-`record_function` ranges in PyTorch-profiler traces (the reports split time by them) and, when NVTX ranges
-are switched on (`TT_NVTX=1`, which the nsys/rocprof-sys wrappers set), as NVTX/roctx ranges for the vendor
-timeline tools. PyTorch's ROCm build routes `torch.cuda.nvtx` to roctx, so one call serves both vendors.
+The trainer (training/tools.py) opens a session when a run asks for --enable-pytorch-profiler, steps it after
+every training step, and hands the finished trace to the report writer (profiling/tables.py).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
@@ -16,39 +13,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, record_function
-
-RANGE_NAMES = ("attention", "ffn", "rmsnorm", "rope", "output_head", "loss", "forward", "backward", "optimizer")
-_NVTX = os.environ.get("TT_NVTX") == "1" and torch.cuda.is_available()
-
-
-def _pytorch_profiler_recording() -> bool:
-    # torch.compile cannot trace the profiler query, and would give up on the whole function; inside compiled
-    # code it ignores record_function anyway, so there the answer is simply no.
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._autograd._profiler_enabled()
-
-
-@contextlib.contextmanager
-def profile_range(name: str):
-    """A named region: a record_function range, and an NVTX/roctx range when TT_NVTX=1.
-
-    The record_function range is opened only while a PyTorch profiler records: otherwise nothing would see it,
-    and opening one costs the host several microseconds, ~26 times per training step (which matters where the
-    step is host-bound, as the eager versions are at the seed size).
-    """
-    if _NVTX:
-        torch.cuda.nvtx.range_push(name)
-    try:
-        if _pytorch_profiler_recording():
-            with record_function(name):
-                yield
-        else:
-            yield
-    finally:
-        if _NVTX:
-            torch.cuda.nvtx.range_pop()
+from torch.profiler import ProfilerActivity
 
 
 # Sort keys accepted by --sort-by. torch renamed cuda_* to device_*; both spellings are accepted.
@@ -72,7 +37,7 @@ class PyTorchProfilerSession:
       trace_<version>.json      Chrome/Perfetto trace (open in ui.perfetto.dev or chrome://tracing)
       tensorboard/              the same trace for TensorBoard (`tensorboard --logdir <profile_dir>/tensorboard`)
       memory_timeline_<version>.html   with --profile-memory
-      operators.csv, kernels.csv, phases.csv, summary.md   via tinytransformer.reports
+      operators.csv, kernels.csv, phases.csv, summary.md   via profiling/tables.py
     """
 
     def __init__(self, profile_dir: str, version: str, active_steps: int, device: torch.device,
@@ -160,43 +125,3 @@ class PyTorchProfilerSession:
     def operator_table(self, sort_by: str, limit: int = 20) -> str:
         key = key_averages_sort_key(sort_by, self.device.type == "cuda")
         return self.profiler.key_averages().table(sort_by=key, row_limit=limit)
-
-
-class DeepSpeedFlopsSession:
-    """DeepSpeed's FLOPS profiler around one training step's forward pass.
-
-    DeepSpeed is optional: when it is missing, `available` is False and `reason` says how to install it.
-    It counts FLOPs by intercepting torch functions (F.linear, matmul, softmax, ...): work done inside custom
-    Triton kernels is invisible to it, which is why the analytic count is printed beside it.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        try:
-            from deepspeed.profiling.flops_profiler import FlopsProfiler
-        except Exception as error:  # ImportError, or a DeepSpeed that fails to import on this machine
-            self.available = False
-            self.reason = (f"DeepSpeed is not available ({type(error).__name__}); "
-                           f"install it with `pip install deepspeed` to get the FLOPS profile")
-            return
-        self.available = True
-        self.reason = ""
-        self.profiler = FlopsProfiler(model)
-        self.started_at = 0.0
-
-    def start(self):
-        self.profiler.start_profile()
-        self.started_at = time.perf_counter()
-
-    def stop_and_report(self, output_file: str | None = None) -> dict:
-        self.profiler.stop_profile()
-        result = {
-            "flops": self.profiler.get_total_flops(),
-            "macs": self.profiler.get_total_macs(),
-            "params": self.profiler.get_total_params(),
-            "forward_latency_s": self.profiler.get_total_duration(),
-        }
-        self.profiler.print_model_profile(profile_step=1, module_depth=-1, top_modules=3, detailed=True,
-                                          output_file=output_file)
-        self.profiler.end_profile()
-        return result

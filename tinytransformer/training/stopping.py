@@ -10,12 +10,12 @@ optimizer step. Its forward and backward passes only compute gradients, which th
   - a signal that arrives anywhere else (optimizer step, validation, a checkpoint write, the loop's own
     bookkeeping) is only recorded: the trainer stops after the step, once that work has finished;
   - a second Ctrl-C aborts at once (KeyboardInterrupt), for when the user really means it; a checkpoint being
-    written then is abandoned (the atomic write leaves the previous one intact, see checkpoint.save_atomically).
+    written then is abandoned (the atomic write leaves the previous one intact, see checkpoint/files.py).
 
 A step marks the part that may be abandoned with `with may_abandon():` (EagerStep does). A step that does not
 (version 4's CUDA-graph replay, whose optimizer update is part of the replayed graph) is never abandoned: it is
 short anyway. Abandoning is off under data parallel: a rank that left its backward pass half-way would leave the
-others waiting in a gradient all-reduce, so there the ranks agree to stop after a step (Trainer.agreed_stop).
+others waiting in a gradient all-reduce, so there the ranks agree to stop after a step (agreed_stop).
 """
 from __future__ import annotations
 
@@ -109,3 +109,26 @@ def may_abandon():
         yield
     finally:
         stop.in_abandonable_region = False
+
+
+STOP_AGREEMENT_EVERY = 10   # under data parallel, the ranks agree on a stop signal every N steps
+
+
+def agreed_stop(stop: StopOnSignal, dist, progress, steps_done: int) -> tuple[int | None, bool]:
+    """(the signal (SIGINT / SIGTERM number) that ends the run after this step, or None to go on; whether a
+    step line is due because PROGRESS_INTERVAL_S passed since the last one, progress.py).
+
+    A single process stops after the step in which the signal arrived (unless the signal abandoned the step).
+    Under data parallel a signal reaches the ranks at different moments, but they must stop after the SAME step:
+    a rank that went on alone would wait forever in its next gradient all-reduce. And they must print the same
+    step lines: a line averages the loss over the ranks, a collective too, while each rank's clock decides alone
+    when a line is due. So the ranks agree on both (one all-reduce, max over ranks). That costs a device-host
+    synchronisation, hence only every STOP_AGREEMENT_EVERY steps: a data-parallel run stops at most that many
+    steps after the signal.
+    """
+    if not dist.enabled:
+        return stop.signal_number, progress.due()
+    if steps_done % STOP_AGREEMENT_EVERY:
+        return None, False
+    signal_number, due = dist.max_over_ranks_each([stop.signal_number or 0, int(progress.due())])
+    return signal_number or None, bool(due)

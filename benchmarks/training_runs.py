@@ -1,0 +1,51 @@
+"""A training script run the way the benchmarks run it: in a fresh process, its --output-json read back, a failure
+turned into one line for the results table. Shared by compare_versions.py and scaling.py.
+
+Why fresh processes: each run starts exactly as a workshop attendee starts it, and nothing leaks between runs
+(version 4's TF32 switch, torch.compile caches, the CUDA caching allocator's pools, a process group).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = {
+    "v1": "version1_pytorch_baseline/tiny_llama_v1.py",
+    "v2": "version2_pytorch_fused/tiny_llama_v2.py",
+    "v3": "version3_triton/tiny_llama_v3.py",
+    "v4": "version4_triton_ultra/tiny_llama_v4.py",
+}
+
+
+@dataclass
+class RunOutcome:
+    metrics: dict | None        # the run's metrics JSON, or None when it failed
+    error: str | None           # one line saying why it failed, or None
+    wall_s: float | None        # seconds the process ran (None when it was stopped at the timeout)
+
+
+def run_training(command: list[str], json_path: Path, timeout: float, **popen) -> RunOutcome:
+    """Run `command` (a training script given --output-json json_path) and read the metrics it wrote."""
+    started = time.perf_counter()
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, **popen)
+    except subprocess.TimeoutExpired:
+        return RunOutcome(None, f"timed out after {timeout} s", None)
+    wall_s = time.perf_counter() - started
+    if result.returncode != 0 or not json_path.exists():
+        return RunOutcome(None, first_error_line(result.stdout + result.stderr, result.returncode), wall_s)
+    return RunOutcome(json.loads(json_path.read_text()), None, wall_s)
+
+
+def first_error_line(output: str, code: int) -> str:
+    """The script's own one-line error if it printed one, else the last line (a traceback's last line says what
+    went wrong; under torchrun, the launcher adds its report after the script's line)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in lines:
+        if ": error: " in line:
+            return line
+    return lines[-1] if lines else f"exit code {code}"

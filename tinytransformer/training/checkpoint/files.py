@@ -1,0 +1,68 @@
+"""Checkpoint files: their names, listing them, the atomic write, rotation, and leftovers of interrupted writes."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from ...outputs import write_atomically
+from . import CheckpointError
+
+FILE_PATTERN = re.compile(r"^ckpt_step(\d+)\.pt$")
+
+
+def checkpoint_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"ckpt_step{step:08d}.pt"
+
+
+def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint file in `directory`, oldest first; temporary files are not listed."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        match = FILE_PATTERN.match(path.name)
+        if match and path.is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def _write_payload(payload: dict, file) -> None:
+    """Serialise into an open file (a separate function so that tests can interrupt a write half-way)."""
+    torch.save(payload, file)
+
+
+def save_atomically(payload: dict, path: str | Path) -> Path:
+    """Write the checkpoint through a temporary file in the same directory, fsync it, then rename it over `path`
+    (outputs.write_atomically): a reader (or a crash) sees the old file or the new one, never half of one. A kill
+    before the rename leaves only a temporary file, which the checkpoint listing ignores."""
+    try:
+        return write_atomically(path, lambda file: _write_payload(payload, file), binary=True, durable=True)
+    except OSError as error:
+        raise CheckpointError(f"cannot write checkpoint {path}: {error.strerror or error}") from None
+
+
+def remove_temporary_files(directory: str | Path) -> list[Path]:
+    """Delete the temporary files of checkpoint writes that never finished (a run killed during a write, or
+    interrupted twice); returns them. This process's own temporary file, if it is writing one, stays."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed = []
+    for leftover in directory.glob(".ckpt_step*.pt.tmp-*"):
+        if not leftover.name.endswith(f".tmp-{os.getpid()}"):
+            leftover.unlink(missing_ok=True)
+            removed.append(leftover)
+    return removed
+
+
+def remove_old_checkpoints(directory: str | Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` checkpoints (0: keep all), and no temporary file of an interrupted write."""
+    directory = Path(directory)
+    if keep_last > 0:
+        for _, path in list_checkpoints(directory)[:-keep_last]:
+            path.unlink(missing_ok=True)
+    remove_temporary_files(directory)

@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from table_format import NO_MATPLOTLIB, fmt, markdown_header, markdown_row
-from training_runs import REPO_ROOT, SCRIPTS, run_training
+from training_runs import REPO_ROOT, SCRIPTS, run_training, triton_shape_problem
 
 sys.path.insert(0, str(REPO_ROOT))  # the shared harness: result files and plots
 
@@ -311,33 +311,12 @@ def training_flags(args, batch: int, seq: int) -> list[str]:
     return flags + list(args.extra)
 
 
-def shape_problem(args, configs) -> str | None:
-    """Sizes that a Triton version's kernels cannot take (tiny_llama_v3/v4.shape_problem_of_flags), or flags it
-    refuses, at any configuration of the run: found before the first run instead of as failed rows after the
-    other versions have run."""
-    versions = [v for v in dict.fromkeys(VARIANTS[label][0] for label in args.variants) if v in ("v3", "v4")]
-    if not versions:
-        return None
-    sys.path.insert(0, str(REPO_ROOT))
-    from tinytransformer.config import ConfigError
-    from tinytransformer.equivalence import load_version
-    for version in versions:
-        module = load_version(version)
-        for batch, seq in configs:
-            try:
-                problem = module.shape_problem_of_flags(training_flags(args, batch, seq))
-            except ConfigError as error:
-                problem = f"{version}: {error}"
-            if problem:
-                return f"batch {batch}, seq {seq}: {problem}"
-    return None
-
-
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configs = ([(b, s) for s in SWEEP_SEQ_LENS for b in SWEEP_BATCHES] if args.sweep
                else [(args.batch_size, args.seq_len)])
-    problem = shape_problem(args, configs)
+    problem = triton_shape_problem([(f"batch {b}, seq {s}", VARIANTS[label][0], training_flags(args, b, s))
+                                    for b, s in configs for label in args.variants])
     if problem:
         fail(problem)
     if args.machine_note:

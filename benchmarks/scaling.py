@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 
 from table_format import NO_MATPLOTLIB, fmt, markdown_header, markdown_row
-from training_runs import REPO_ROOT, SCRIPTS, run_training
+from training_runs import REPO_ROOT, SCRIPTS, run_training, triton_shape_problem
 
 sys.path.insert(0, str(REPO_ROOT))  # the shared harness: result files and plots
 
@@ -186,31 +186,12 @@ def visible_gpus(device: str) -> int:
     return torch.cuda.device_count()
 
 
-def shape_problem(args) -> str | None:
-    """Sizes that a Triton version's kernels cannot take (tiny_llama_v3/v4.shape_problem_of_flags; the batch is per
-    process), or flags it refuses, for any preset of the run: found before the first run."""
-    versions = [v for v in args.versions if v in ("v3", "v4")]
-    if not versions:
-        return None
-    sys.path.insert(0, str(REPO_ROOT))
-    from tinytransformer.config import ConfigError
-    from tinytransformer.equivalence import load_version
-    for version in versions:
-        module = load_version(version)
-        for preset in args.presets:
-            flags = torchrun_command(version, preset, 1, Path("unused.json"), args)[6:]   # the script's flags
-            try:
-                problem = module.shape_problem_of_flags(flags)
-            except ConfigError as error:
-                problem = f"{version}: {error}"
-            if problem:
-                return f"--presets {preset}: {problem}"
-    return None
-
-
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    problem = shape_problem(args)
+    # The batch is per process; the script's flags follow the launcher's six words.
+    problem = triton_shape_problem([(f"--presets {preset}", version,
+                                     torchrun_command(version, preset, 1, Path("unused.json"), args)[6:])
+                                    for version in args.versions for preset in args.presets])
     if problem:
         print(f"scaling.py: error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT

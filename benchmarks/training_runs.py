@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,3 +50,22 @@ def first_error_line(output: str, code: int) -> str:
         if ": error: " in line:
             return line
     return lines[-1] if lines else f"exit code {code}"
+
+
+def triton_shape_problem(runs: list[tuple[str, str, list[str]]]) -> str | None:
+    """The first run a Triton version would refuse, found before any run starts instead of as a failed row after
+    the other versions have run. `runs`: (where, version, the script's flags) for every planned run; only
+    versions 3 and 4 have shape rules (tiny_llama_v3/v4.shape_problem_of_flags). Returns "where: problem"."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from tinytransformer.config import ConfigError
+    from tinytransformer.equivalence import load_version
+    for where, version, flags in runs:
+        if version not in ("v3", "v4"):
+            continue
+        try:
+            problem = load_version(version).shape_problem_of_flags(flags)
+        except ConfigError as error:
+            problem = f"{version}: {error}"
+        if problem:
+            return f"{where}: {problem}"
+    return None

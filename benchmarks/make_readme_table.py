@@ -82,9 +82,49 @@ def render_sweep(results: dict, name: str) -> str:
     return "\n".join(lines)
 
 
+def render_presets(results: dict, name: str) -> str:
+    """One table per preset (compare_versions.py --preset a,b,...): every version and peer at the preset's own
+    batch and sequence length, with MFU and each row's speed against the fastest OTHER row of that preset."""
+    env = results["environment"]
+    presets = list(dict.fromkeys(r["preset"] for r in results["rows"]))
+    steps = results["num_steps"] - results["warmup_steps"]
+    parts = [f"Size presets, **{env.get('gpu', 'CPU')}** ({env.get('backend', 'CPU')}, torch {env['torch']}, "
+             f"triton {env.get('triton')}), {results['dtype']}, median of {steps} steps{repeats_text(results)} "
+             f"(`benchmarks/results/{name}`):"]
+    for preset in presets:
+        rows = [r for r in results["rows"] if r["preset"] == preset]
+        speeds = {r["variant"]: r["samples_per_s"] for r in rows if r.get("samples_per_s")}
+        first = rows[0]
+        size = f"{first['parameters'] / 1e6:,.0f}M parameters, " if first.get("parameters") else ""
+        lines = ["", f"`{preset}` ({size}batch {first['batch_size']}, seq {first['seq_len']}):", "",
+                 "| row | samples/s | step (ms) | MFU | vs fastest other row | peak memory (MiB) | kernels/step |",
+                 "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            if "error" in r:
+                lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | |")
+                continue
+            others = [v for k, v in speeds.items() if k != r["variant"]]
+            versus = r["samples_per_s"] / max(others) if others else None
+            mfu = 100 * r["mfu"] if r.get("mfu") is not None else None
+            lines.append(f"| {r['variant']} | {fmt(r['samples_per_s'], ',.0f')} | "
+                         f"{fmt(r['median_step_ms'], '.2f')} | {fmt(mfu, '.1f', '%')} | {fmt(versus, '.2f')}x | "
+                         f"{fmt(r['peak_memory_mib'], ',.0f')} | {fmt(r['kernels_per_step'], '.0f')} |")
+        parts.append("\n".join(lines))
+    if results.get("note"):
+        parts.append(f"\nNote: {results['note']}.")
+    parts.append(f"\nCommand: `{results['command']}`")
+    return "\n".join(parts)
+
+
+def renderer(name: str):
+    if "sweep" in name:
+        return render_sweep
+    return render_presets if "presets" in name else render
+
+
 def generated_block() -> str:
     files = sorted(RESULTS_DIR.glob("*.json"))
-    parts = [(render_sweep if "sweep" in p.name else render)(json.loads(p.read_text()), p.name) for p in files]
+    parts = [renderer(p.name)(json.loads(p.read_text()), p.name) for p in files]
     body = "\n\n".join(parts) if parts else "No committed results yet: run `benchmarks/compare_versions.py --output ...`."
     return f"{START}\n{body}\n{END}"
 

@@ -19,6 +19,7 @@ SCRIPTS = {
     "v2": "version2_pytorch_fused/tiny_llama_v2.py",
     "v3": "version3_triton/tiny_llama_v3.py",
     "v4": "version4_triton_ultra/tiny_llama_v4.py",
+    "hf": "benchmarks/hf_llama.py",   # the Hugging Face peer (benchmarks/variants.py)
 }
 
 

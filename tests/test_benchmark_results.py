@@ -90,7 +90,7 @@ def test_repeats_run_in_rounds_and_report_the_median_run(tmp_path):
 
 def test_median_run_of_three_and_a_failed_repeat():
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    from compare_versions import median_runs
+    from comparison_rows import median_runs
     def run(variant, repeat, speed=None, error=None):
         row = {"variant": variant, "batch_size": 8, "seq_len": 128, "repeat": repeat}
         row.update({"error": error} if error else {"samples_per_s": speed, "median_step_ms": 1000 / speed})

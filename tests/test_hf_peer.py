@@ -1,4 +1,4 @@
-"""tinytransformer/hf.py: Hugging Face's LlamaForCausalLM computes the workshop's function.
+"""tinytransformer/hf/model.py: Hugging Face's LlamaForCausalLM computes the workshop's function.
 
 From version 1's canonical weights, the Hugging Face model gives version 1's logits, loss and every gradient
 (against version 1 in float64 on the CPU; in float32 and bfloat16 on a GPU, with Liger-Kernel too, whose Triton
@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from tinytransformer import hf
+from tinytransformer.hf import model as hf
 from tinytransformer.config import ConfigError, ModelConfig
 from tinytransformer.equivalence import canonical, compare, forward_backward, random_batch
 

@@ -18,7 +18,7 @@ import importlib.util
 
 import torch.nn as nn
 
-from .config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
 
 INSTALL_HINT = "pip install -r requirements-peers.txt"
 
@@ -154,14 +154,18 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
+def require_liger() -> None:
+    if not liger_available():
+        raise ConfigError(f"Liger-Kernel is not installed ({INSTALL_HINT})")
+
+
 def apply_liger(model: HFTinyLlama) -> None:
     """Liger-Kernel's Triton RMSNorm, RoPE, SwiGLU and fused linear cross-entropy, patched into this model.
 
     Liger patches transformers' Llama module itself (its RoPE is a module-level function every Llama calls), so
     in this process every Llama model runs Liger's RoPE from now on: a benchmark runs each peer in its own
     process."""
-    if not liger_available():
-        raise ConfigError(f"Liger-Kernel is not installed ({INSTALL_HINT})")
+    require_liger()
     from liger_kernel.transformers import apply_liger_kernel_to_llama
     apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                 fused_linear_cross_entropy=True, model=model.hf)

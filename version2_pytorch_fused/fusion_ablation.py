@@ -1,15 +1,15 @@
-"""Fusion ablation: every combination of version 2's three fusions (and torch.compile), one table.
+"""Fusion ablation: what each of version 2's switches buys, alone and among the others, in one table.
 
-    python fusion_ablation.py                                   (8 combinations, eager, seed config)
+    python fusion_ablation.py                                   (14 runs, eager, seed config)
     python fusion_ablation.py --with-compile --profile          (+ torch.compile, + kernels per step)
     python fusion_ablation.py --num-steps 100 -- --use-amp      (flags after -- go to every run)
 
-Each combination runs tiny_llama_v2.py in a fresh process (so nothing, e.g. a compile cache, carries over)
-from the same canonical weights and data; the table shows median samples/s, the speed-up over the run with
-every fusion off (version 1's computation), peak memory and, with --profile, GPU kernels per training step.
+The rows: every switch off (version 1's computation), each switch alone, every switch on, and every switch on
+but one ("all-rope": what RoPE's rewrite adds to the rest). Each runs tiny_llama_v2.py in a fresh process (so
+nothing, e.g. a compile cache, carries over) from the same canonical weights and data; the table shows median
+samples/s, the speed-up over "none", peak memory and, with --profile, GPU kernels per training step.
 """
 import argparse
-import itertools
 import json
 import subprocess
 import sys
@@ -17,21 +17,26 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-FUSIONS = (("qkv", "--enable-qkv-fusion", "--disable-qkv-fusion"),
-           ("flash", "--enable-flash-attention", "--disable-flash-attention"),
-           ("swiglu", "--enable-swiglu-fusion", "--disable-swiglu-fusion"))
+# (short label, the switch's name in tiny_llama_v2.py's --enable-X / --disable-X flags)
+FUSIONS = (("qkv", "qkv-fusion"), ("flash", "flash-attention"), ("swiglu", "swiglu-fusion"),
+           ("rmsnorm", "torch-rmsnorm"), ("rope", "rolled-rope"), ("adamw", "fused-adamw"))
+COMPILE = ["--enable-torch-compile", "--torch-compile-mode", "reduce-overhead"]
+
+
+def flags_for(enabled: set) -> list:
+    return [f"--enable-{flag}" if name in enabled else f"--disable-{flag}" for name, flag in FUSIONS]
 
 
 def combinations(with_compile: bool):
-    """(label, flags) for every on/off combination of the fusions; all off first, all on last."""
-    runs = []
-    for switches in itertools.product([False, True], repeat=len(FUSIONS)):
-        flags = [on if enabled else off for (_, on, off), enabled in zip(FUSIONS, switches)]
-        label = "+".join(name for (name, _, _), enabled in zip(FUSIONS, switches) if enabled) or "none"
-        runs.append((label, flags))
+    """(label, flags): none first, then each switch alone, all, all but each; optionally the compiled runs."""
+    names = [name for name, _ in FUSIONS]
+    runs = [("none", flags_for(set()))]
+    runs += [(name, flags_for({name})) for name in names]
+    runs.append(("all", flags_for(set(names))))
+    runs += [(f"all-{name}", flags_for(set(names) - {name})) for name in names]
     if with_compile:
-        all_on = runs[-1][1]
-        runs.append(("all+compile", [*all_on, "--enable-torch-compile", "--torch-compile-mode", "reduce-overhead"]))
+        runs.append(("all+compile", [*flags_for(set(names)), *COMPILE]))
+        runs.append(("all+compile+opt", [*flags_for(set(names)), *COMPILE, "--compile-optimizer"]))
     return runs
 
 
@@ -76,7 +81,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-steps", type=int, default=40)
     parser.add_argument("--warmup-steps", type=int, default=10)
-    parser.add_argument("--with-compile", action="store_true", help="add all fusions + torch.compile")
+    parser.add_argument("--with-compile", action="store_true",
+                        help="add all switches + torch.compile (reduce-overhead), and + a compiled optimizer step")
     parser.add_argument("--profile", action="store_true", help="also count GPU kernels per step")
     parser.add_argument("--output-json", help="write the table's rows here")
     args = parser.parse_args(own)

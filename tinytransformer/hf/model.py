@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch
 import torch.nn as nn
 
 from ..config import ConfigError, ModelConfig
@@ -136,6 +137,15 @@ class HFTinyLlama(nn.Module):
         targets = targets.contiguous()   # Hugging Face flattens it with view()
         out = self.hf(input_ids=input_ids, labels=targets, shift_labels=targets)
         return out.logits, out.loss
+
+    def configure_optimizer(self, train):
+        """torch's fused AdamW, what a practitioner picks for this model (the Hugging Face Trainer's
+        optim="adamw_torch_fused"); the multi-tensor one where this build has no fused kernel for the device."""
+        hyper = dict(lr=train.learning_rate, betas=(0.9, 0.95), weight_decay=train.weight_decay)
+        try:
+            return torch.optim.AdamW(self.parameters(), fused=True, **hyper)
+        except RuntimeError:
+            return torch.optim.AdamW(self.parameters(), **hyper)
 
     def load_canonical(self, state_dict):
         self.hf.load_state_dict(to_hf_names(state_dict, self.config.num_layers), strict=True)

@@ -46,8 +46,9 @@ def load_version(name: str):
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64; infinity when out holds a NaN or an infinity (NaN never passes)."""
-    out, ref = out.detach().double(), ref.detach().double()
+    """||out - ref|| / ||ref|| in float64; infinity when out holds a NaN or an infinity (NaN never passes).
+    Compared on the CPU: a GPU result may be checked against a CPU (float64) reference."""
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
     if not torch.isfinite(out).all():
         return float("inf")
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()

@@ -91,8 +91,10 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for label, flags in combinations(args.with_compile):
-            rows.append(run_one(label, flags, args, extra, Path(scratch)))
-            print(f"  {label:<18} done", flush=True)
+            row = run_one(label, flags, args, extra, Path(scratch))
+            rows.append(row)
+            status = row.get("error") or f"{row['samples_per_s']:,.1f} samples/s, {row['median_step_ms']:.2f} ms/step"
+            print(f"  {label:<18} {status}", flush=True)
     print_table(rows)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"command": " ".join(["python", "fusion_ablation.py", *argv]),

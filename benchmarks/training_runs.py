@@ -7,6 +7,7 @@ Why fresh processes: each run starts exactly as a workshop attendee starts it, a
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -43,14 +44,22 @@ def run_training(command: list[str], json_path: Path, timeout: float, **popen) -
     return RunOutcome(json.loads(json_path.read_text()), None, wall_s)
 
 
+# A traceback's exception line: "ValueError: ...", "torch._dynamo.exc.TorchRuntimeError: ...".
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b.*:")
+MAX_ERROR_CHARS = 300
+
+
 def first_error_line(output: str, code: int) -> str:
-    """The script's own one-line error if it printed one, else the last line (a traceback's last line says what
-    went wrong; under torchrun, the launcher adds its report after the script's line)."""
+    """The script's own one-line error if it printed one, else the last exception line of a traceback (libraries
+    such as torch.compile print hints after it: "Set TORCHDYNAMO_VERBOSE=1 ..."), else the last line; under
+    torchrun, the launcher adds its report after the script's line."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     for line in lines:
         if ": error: " in line:
             return line
-    return lines[-1] if lines else f"exit code {code}"
+    exceptions = [line for line in lines if EXCEPTION_LINE.match(line)]
+    chosen = exceptions[-1] if exceptions else (lines[-1] if lines else f"exit code {code}")
+    return chosen if len(chosen) <= MAX_ERROR_CHARS else chosen[:MAX_ERROR_CHARS - 3] + "..."
 
 
 def triton_shape_problem(runs: list[tuple[str, str, list[str]]]) -> str | None:

@@ -98,3 +98,13 @@ def test_a_preset_run_with_the_hf_peer_on_cpu(tmp_path):
     assert (by_variant["hf"]["batch_size"], by_variant["hf"]["seq_len"]) == (2, 16), "the shape that really ran"
     assert abs(by_variant["hf"]["first_loss"] - by_variant["v1"]["first_loss"]) < 2e-2 * by_variant["v1"]["first_loss"]
     assert "needs a GPU" in by_variant["hf+liger"]["error"]
+
+
+def test_a_failed_row_says_the_exception_not_the_hint_printed_after_it():
+    from benchmarks.training_runs import first_error_line
+    output = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+              "torch._dynamo.exc.TorchRuntimeError: Dynamo failed to run FX node with fake tensors: addmm\n\n"
+              "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace (please do this especially if you're ...)\n")
+    assert first_error_line(output, 1).startswith("torch._dynamo.exc.TorchRuntimeError: Dynamo failed")
+    assert first_error_line("tiny_llama_v4.py: error: head dim 8 not supported\n", 2).endswith("not supported")
+    assert first_error_line("", 137) == "exit code 137"

@@ -41,13 +41,21 @@ VERSION_READMES = {
 
 def repeats_text(results: dict) -> str:
     repeats = results.get("repeats", 1)
-    return f", the median run of {repeats}" if repeats > 1 else ""
+    if repeats <= 1:
+        return ""
+    made = [len(r.get("repeats_samples_per_s") or [None]) for r in results["rows"]]
+    if min(made) < repeats:   # a run stopped early: say what the rows are
+        return f", the median of the runs made (up to {repeats}; see the note)"
+    return f", the median run of {repeats}"
 
 
 def render(results: dict, name: str) -> str:
     env = results["environment"]
     rows = results["rows"]
     first = rows[0]
+    # A file a time limit stopped has no speed-ups yet (compare_versions adds them at the end): same rule here.
+    v1_speed = next((r.get("samples_per_s") for r in rows if r["variant"] == "v1"), None)
+    speedup = lambda r: r.get("speedup_vs_v1") or (r["samples_per_s"] / v1_speed if v1_speed else None)  # noqa: E731
     lines = [f"**{env.get('gpu', 'CPU')}** ({env.get('backend', 'CPU')}, torch {env['torch']}, "
              f"triton {env.get('triton')}), batch {first['batch_size']}, seq {first['seq_len']}, "
              f"{results['dtype']}, median of {results['num_steps'] - results['warmup_steps']} steps"
@@ -59,8 +67,10 @@ def render(results: dict, name: str) -> str:
             lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | |")
             continue
         lines.append(f"| {r['variant']} | {fmt(r['samples_per_s'], ',.0f')} | {fmt(r['median_step_ms'], '.2f')} | "
-                     f"{fmt(r['speedup_vs_v1'], '.2f')}x | {fmt(r['peak_memory_mib'], ',.0f')} | "
+                     f"{fmt(speedup(r), '.2f')}x | {fmt(r['peak_memory_mib'], ',.0f')} | "
                      f"{fmt(r['kernels_per_step'], '.0f')} | {fmt(r['final_loss'], '.4f')} |")
+    if results.get("note"):
+        lines += ["", f"Note: {results['note']}."]
     lines += ["", f"Command: `{results['command']}`"]
     return "\n".join(lines)
 
@@ -113,6 +123,7 @@ def render_presets(results: dict, name: str) -> str:
     if results.get("note"):
         parts.append(f"\nNote: {results['note']}.")
     parts.append(f"\nCommand: `{results['command']}`")
+    parts += [f"then: `{command}`" for command in results.get("resumed_by", [])]
     return "\n".join(parts)
 
 

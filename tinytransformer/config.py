@@ -68,7 +68,8 @@ class TrainConfig:
     data: str = "markov"             # markov | random | text:PATH | text:stdlib
     eval_every: int = 0              # validation loss every N steps (0: never)
     eval_batches: int = 8            # batches per validation: the same fixed batches every time
-    save_every: int = 0              # checkpoint every N steps, and at the end (0: only when stopped by a signal)
+    save_every: int = 0              # checkpoint every N steps and at the end; 0: none, except when a signal
+                                     # stops a run that gave --checkpoint-dir or --resume
     checkpoint_dir: str = "checkpoints"
     keep_last: int = 3               # checkpoints kept in checkpoint_dir (0: all)
     resume: str | None = None        # a checkpoint file, or "auto": the newest valid one in checkpoint_dir

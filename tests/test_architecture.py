@@ -1,4 +1,5 @@
-"""The repository's structure: no import cycle anywhere, and harness files small enough to read in one sitting.
+"""The repository's structure: no import cycle anywhere, no private name used across modules or versions, and
+harness files small enough to read in one sitting.
 
 Imports are read with `ast` (nothing is imported), every import statement counts, also those inside a function
 (a lazy import still runs, later). Modules: the harness package tinytransformer/, the version directories (packages:
@@ -160,6 +161,87 @@ def test_cycle_finder_finds_a_cycle():
     assert cycles(graph) == [["a", "b", "c", "a"]]
     assert describe(graph, ["a", "b", "c", "a"]) == "a (line 1) -> b (line 2) -> c (line 3) -> a"
     assert cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Private names: what two modules share is public (no leading underscore), in one place
+# ----------------------------------------------------------------------------------------------------------
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def version_of(module: str) -> str | None:
+    """"version3_triton" for version3_triton.kernels.rope; None for the harness, the benchmarks and scripts."""
+    top = module.split(".")[0]
+    return top if top.startswith("version") else None
+
+
+def private_uses(path: Path, source: str, modules: dict[str, Path]) -> list[tuple[str, str, int, str]]:
+    """(module, private name, line, "import" or "attribute") of each private name this file takes from ANOTHER
+    repository module: `from m import _x` (an import), and `m._x` where the file bound m to a module
+    (`import a.m as m`, `from a import m`: an attribute)."""
+    name = module_name(path)
+    package = name if is_package(path) else name.rpartition(".")[0]
+    tree = ast.parse(source, filename=str(path))
+    aliases, found = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                resolved = resolve(f"{base}.{alias.name}" if base else alias.name, path, modules)
+                if not resolved:
+                    continue
+                if resolved[-1].endswith(f".{alias.name}") or resolved[-1] == alias.name:   # a module
+                    aliases[alias.asname or alias.name] = resolved[-1]
+                elif is_private(alias.name) and resolved[-1] != name:
+                    found.append((resolved[-1], alias.name, node.lineno, "import"))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                resolved = resolve(alias.name, path, modules)
+                if alias.asname and resolved and resolved[-1] == alias.name:
+                    aliases[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and is_private(node.attr) and aliases[node.value.id] != name):
+            found.append((aliases[node.value.id], node.attr, node.lineno, "attribute"))
+    return found
+
+
+def private_name_problems() -> list[str]:
+    """A private name imported from another module anywhere, or used from another version's module at all (a
+    tool of a version, such as its kernel tuner, may reach into that version's own kernel module)."""
+    modules = {module_name(p): p for p in python_files()}
+    problems = []
+    for name, path in modules.items():
+        for owner, private, line, how in private_uses(path, path.read_text(encoding="utf-8"), modules):
+            other_version = version_of(name) is not None and version_of(owner) not in (None, version_of(name))
+            if how == "import" or other_version:
+                problems.append(f"{path.relative_to(REPO)}:{line}: {owner}.{private} ({how})")
+    return problems
+
+
+def test_no_private_names_across_modules_or_versions():
+    """A version keeps its own copy of what it needs from another version, or uses that version's public names;
+    within a version, what one module takes from another is public too (rename it without the underscore)."""
+    problems = private_name_problems()
+    assert not problems, "private names used from another module:\n" + "\n".join(problems)
+
+
+def test_private_name_finder_finds_them():
+    modules = {module_name(p): p for p in python_files()}
+    here = REPO / "version4_triton_ultra" / "kernels" / "example.py"   # never written: only its name is used
+    source = ("from version3_triton.kernels.flash_attention import _launch_config, shape_problem\n"
+              "from version3_triton.kernels import rope as r\n"
+              "import version3_triton.kernels.rmsnorm as norms\n"
+              "x = r._private_helper, r.rope_tables, norms._new_buffer, norms.__name__\n")
+    found = private_uses(here, source, modules)
+    assert sorted(found) == [("version3_triton.kernels.flash_attention", "_launch_config", 1, "import"),
+                             ("version3_triton.kernels.rmsnorm", "_new_buffer", 4, "attribute"),
+                             ("version3_triton.kernels.rope", "_private_helper", 4, "attribute")]
 
 
 @pytest.mark.parametrize("root", sorted(MAX_LINES))

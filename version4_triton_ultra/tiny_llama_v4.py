@@ -59,10 +59,10 @@ from tinytransformer.profiling.ranges import profile_range  # noqa: E402
 from tinytransformer.training.step import EagerStep  # noqa: E402
 from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
                                      init_canonical_weights, split)
-from version3_triton.kernels import flash_attention as attention_kernels  # noqa: E402
-from version3_triton.kernels.flash_attention import (flash_attention_packed, packed_attention_backward,  # noqa: E402
-                                                     packed_attention_forward)
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
+from version4_triton_ultra.kernels import flash_attention as attention_kernels  # noqa: E402
+from version4_triton_ultra.kernels.flash_attention import (  # noqa: E402
+    flash_attention_packed, packed_attention_backward, packed_attention_forward)
 from version4_triton_ultra.kernels.adamw import TritonAdamW  # noqa: E402
 from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm, embedding_rms_norm  # noqa: E402
 from version4_triton_ultra.kernels.linear_cross_entropy import (  # noqa: E402

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from tinytransformer.triton_support import interpreter_active, small_interpreter_blocks
-from version4_triton_ultra.kernels.add_rmsnorm import _is_last_to_arrive
+from version4_triton_ultra.kernels.add_rmsnorm import is_last_to_arrive
 
 # Elements per program, and warps: 4 elements per thread on NVIDIA (32-thread warps), 2 on AMD CDNA (64-thread
 # wavefronts; not tuned there). On an H100, for version 4's 3.1 M parameters, 36.7 us
@@ -110,7 +110,7 @@ def _adamw_kernel(
     # finish does it (torch's AdamW launches a separate kernel for this). With an atomic add, which one thread
     # of the program performs: a load and a store would be run by every thread, and a thread that loads after
     # another one's store would count the step twice.
-    if _is_last_to_arrive(ticket_ptr, n_programs):
+    if is_last_to_arrive(ticket_ptr, n_programs):
         for t in range(0, n_tensors):
             counter_ptr = tl.load(addresses_ptr + 4 * n_tensors + t).to(tl.pointer_type(tl.float32))
             tl.atomic_add(counter_ptr, 1.0, sem="relaxed")

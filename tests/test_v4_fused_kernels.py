@@ -782,7 +782,7 @@ def check_rotary_qkv_attention(batch, seq_len, heads, head_dim, dtype, device, s
     """Version 4's RotaryQKVAttention (QKV GEMM + RoPE epilogue -> flash attention) against float64 autograd of
     attention(RoPE(x @ W^T)): the output and the gradients of x and W."""
     from version3_triton.kernels.rope import rope_tables
-    from version4_triton_ultra.tiny_llama_v4 import RotaryQKVAttention
+    from version4_triton_ultra.fused_layers import RotaryQKVAttention
     dim = heads * head_dim
     x = leaf(random((batch, seq_len, dim), dtype, device, seed))
     weight = leaf(random((3 * dim, dim), torch.float32, device, seed + 1, scale=dim ** -0.5))

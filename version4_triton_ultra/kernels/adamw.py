@@ -28,7 +28,7 @@ Addresses and graph capture. Gradients are new tensors at every eager step, so t
 it was captured with: the gradients the graph allocates during capture must be in it, but a copy from pageable
 host memory cannot be captured (one from pinned memory could, and would then run at every replay). So under
 capture `step()` only records the new addresses, and the caller writes them after the capture with
-`finish_capture()` (tiny_llama_v4.GraphedStep does). The graph's gradients keep their addresses at every replay,
+`finish_capture()` (graphed_step.GraphedStep does). The graph's gradients keep their addresses at every replay,
 so the table stays right.
 
 State, learning rate, checkpoints: the state of each parameter is torch's (`step`, `exp_avg`, `exp_avg_sq`;
@@ -155,7 +155,7 @@ class TritonAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step_groups(self, indices) -> None:
         """Update the parameter groups with these indices only (one launch each): a training step may update
-        the weights whose gradients are complete before the backward pass has ended (tiny_llama_v4.GraphedStep)."""
+        the weights whose gradients are complete before the backward pass has ended (graphed_step.GraphedStep)."""
         for index in indices:
             group = self.param_groups[index]
             params = [p for p in group["params"] if p.grad is not None]

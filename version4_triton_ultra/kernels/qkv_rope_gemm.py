@@ -3,9 +3,10 @@
 Attention needs q and k rotated by RoPE. Rotating them as the attention kernel loads them (version 4's first
 way, `flash_attention_packed(..., rope=...)` in flash_attention.py) costs more than it looks: the forward
 kernel loads every key block once per query block that visits it, so a k row is rotated up to S / BLOCK_M
-times over, and the kernel has to write the rotated q and k (and a copy of v) for the backward pass. The GEMM that produces q and k is a
-better place: there every element of q and k is rotated exactly once, while the tile is still in registers
-(the epilogue), and the one [N, 3D] output is at once what attention reads and what its backward reads.
+times over, and the kernel has to write the rotated q and k (and a copy of v) for the backward pass. The
+GEMM that produces q and k is a better place: there every element of q and k is rotated exactly once, while the
+tile is still in registers (the epilogue), and the one [N, 3D] output is at once what attention reads and what
+its backward reads.
 
     qkv_rope(x, W_qkv, cos, sin, S, Dh)      qkv = x @ W_qkv^T, [N, 3D], columns [q heads | k heads | v heads];
                                              then, in the same program, every q and k head rotated:

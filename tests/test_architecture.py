@@ -156,6 +156,38 @@ def test_the_graph_sees_the_repository():
     assert stages in graph["version3_triton.exercises.performance_debugging.run_stage"]
 
 
+def layer_problems(graph: dict[str, dict[str, int]]) -> list[str]:
+    """The rules of README's "Architecture" section: the harness (tinytransformer/) imports no version and no
+    script; a version imports the harness, itself, and at most the public names of an EARLIER version (the
+    private ones are test_no_private_names_across_modules_or_versions' concern), never a later one."""
+    problems = []
+    for importer, edges in graph.items():
+        for imported, line in edges.items():
+            own, theirs = version_of(importer), version_of(imported)
+            if importer.startswith("tinytransformer") and not imported.startswith("tinytransformer"):
+                problems.append(f"{importer} (line {line}) -> {imported}: the harness imports only itself")
+            elif own and theirs and theirs > own:
+                problems.append(f"{importer} (line {line}) -> {imported}: a version builds on earlier ones only")
+            elif own and not (theirs or imported.startswith("tinytransformer")):
+                problems.append(f"{importer} (line {line}) -> {imported}: a version imports no script")
+    return problems
+
+
+def test_imports_follow_the_layers():
+    problems = layer_problems(import_graph())
+    assert not problems, "\n".join(problems)
+
+
+def test_layer_rules_catch_a_wrong_direction():
+    graph = {"tinytransformer.cli": {"version1_pytorch_baseline.tiny_llama_v1": 3},
+             "version3_triton.tiny_llama_v3": {"version4_triton_ultra.kernels.adamw": 5, "tinytransformer.cli": 6},
+             "version4_triton_ultra.tiny_llama_v4": {"version3_triton.kernels.rope": 7, "benchmarks.variants": 8}}
+    assert [p.split(":")[0] for p in layer_problems(graph)] == [
+        "tinytransformer.cli (line 3) -> version1_pytorch_baseline.tiny_llama_v1",
+        "version3_triton.tiny_llama_v3 (line 5) -> version4_triton_ultra.kernels.adamw",
+        "version4_triton_ultra.tiny_llama_v4 (line 8) -> benchmarks.variants"]
+
+
 def test_cycle_finder_finds_a_cycle():
     graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
     assert cycles(graph) == [["a", "b", "c", "a"]]

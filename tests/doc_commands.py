@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import signal
 import subprocess
 import textwrap
@@ -283,3 +284,13 @@ def failure_report(command: DocCommand, result, tail: int = 40) -> str:
         {command.text}
         last {min(tail, len(output))} lines of its output:
         """) + "\n".join(output[-tail:])
+
+
+def copy_repository(root: Path) -> Path:
+    """root/repo: a copy of the repository's files (git's list: tracked, and untracked but not ignored)."""
+    repo = root / "repo"
+    for name in repository_files():
+        target = repo / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, target)
+    return repo

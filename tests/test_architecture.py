@@ -41,6 +41,15 @@ def is_package(path: Path) -> bool:
     return path.name == "__init__.py"
 
 
+def import_base(node: ast.ImportFrom, package: str) -> str:
+    """The absolute dotted module of `from X import ...` written in `package` (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    anchor = package.split(".")
+    anchor = anchor[:len(anchor) - (node.level - 1)]
+    return ".".join(anchor + ([node.module] if node.module else []))
+
+
 def imported_names(path: Path, name: str) -> list[tuple[str, int]]:
     """(absolute dotted name, line) of every import in the file: `import a.b` gives a.b; `from a import b, c`
     gives a.b and a.c (a submodule, or a name defined in a); relative imports are made absolute."""
@@ -50,11 +59,7 @@ def imported_names(path: Path, name: str) -> list[tuple[str, int]]:
         if isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[:len(anchor) - (node.level - 1)]
-                base = ".".join(anchor + ([node.module] if node.module else []))
+            base = import_base(node, package)
             found += [(f"{base}.{alias.name}" if base else alias.name, node.lineno) for alias in node.names]
             found.append((base, node.lineno))
     return found
@@ -220,11 +225,7 @@ def private_uses(path: Path, source: str, modules: dict[str, Path]) -> list[tupl
     aliases, found = {}, []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[:len(anchor) - (node.level - 1)]
-                base = ".".join(anchor + ([node.module] if node.module else []))
+            base = import_base(node, package)
             for alias in node.names:
                 resolved = resolve(f"{base}.{alias.name}" if base else alias.name, path, modules)
                 if not resolved:

@@ -67,14 +67,13 @@ What is skipped (each skip appears in `pytest -rs` with its file, line and reaso
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 
 import pytest
 
-from .doc_blocks import repository_files
 from .doc_commands import (COVERED_BY_CI, DOC_COMMANDS, MAX_SKIPPED_FRACTION, REPO, TIMEOUT_S, DocCommand,
-                           allowed_exit_codes, failure_report, is_pytest, run_command, shell_tokens, simple_commands)
+                           allowed_exit_codes, copy_repository, failure_report, is_pytest, run_command, shell_tokens,
+                           simple_commands)
 from .doc_shim import write_python_shim
 
 
@@ -82,11 +81,7 @@ from .doc_shim import write_python_shim
 def docs_sandbox(tmp_path_factory):
     """(a copy of the repository, the environment the commands run with)."""
     root = tmp_path_factory.mktemp("docs_commands")
-    repo = root / "repo"
-    for name in repository_files():
-        target = repo / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / name, target)
+    repo = copy_repository(root)
     shims = write_python_shim(root / "bin")
     env = dict(os.environ)
     for name in ("TT_NVTX", "PYTHONPATH"):

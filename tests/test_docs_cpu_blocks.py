@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import stat
 import subprocess
 import sys
@@ -14,9 +13,9 @@ import time
 
 import pytest
 
-from .doc_blocks import repository_files
-from .doc_commands import (REPO, CPU_BLOCKS, CPU_COMMAND_LIMIT_S, CPU_TIME_FACTOR, CPU_TIME_SLACK_S, DOC_BLOCKS,
-                           LABEL_FORMS, allowed_exit_codes, failure_report, label_of, run_command, workshop_scripts)
+from .doc_commands import (CPU_BLOCKS, CPU_COMMAND_LIMIT_S, CPU_TIME_FACTOR, CPU_TIME_SLACK_S, DOC_BLOCKS, LABEL_FORMS,
+                           allowed_exit_codes, copy_repository, failure_report, label_of, run_command,
+                           workshop_scripts)
 
 
 def test_workshop_commands_are_labelled():
@@ -52,11 +51,7 @@ def cpu_sandbox(tmp_path_factory):
     shim, no TRITON_INTERPRET (the scripts choose the interpreter themselves), CUDA_VISIBLE_DEVICES="" so that
     even a GPU machine runs everything on its CPU; `python` and `python3` start the interpreter running the tests."""
     root = tmp_path_factory.mktemp("docs_cpu_commands")
-    repo = root / "repo"
-    for name in repository_files():
-        target = repo / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / name, target)
+    repo = copy_repository(root)
     bin_dir = root / "bin"
     bin_dir.mkdir()
     for name in ("python", "python3"):

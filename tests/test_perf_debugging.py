@@ -1,4 +1,4 @@
-"""The performance-debugging exercise (version3_triton/stages.py, exercises/performance_debugging/).
+"""The performance-debugging exercise (version3_triton/exercises/performance_debugging/: stages.py, run_stage.py).
 
 Each stage's defect must be real and detectable:
   1  the loss starts and stays far above stage 5's after the same steps; the loader copies nothing;
@@ -8,7 +8,8 @@ Each stage's defect must be real and detectable:
      reports a step time that disagrees with the device events;
   4  the naive Triton matmul computes the right values, forward and backward (slower than BLAS: GPU test);
   5  stage 2 and 4 models compute what stage 5 (version 3) computes.
-Plus the --stage flag and run_all_stages.sh (a quick run here; the whole script with profiling is marked slow).
+Plus run_stage.py's --stage flag and run_all_stages.sh (a quick run here; the whole script with profiling is
+marked slow).
 """
 import io
 import json
@@ -31,8 +32,8 @@ from tinytransformer.training.step import EagerStep
 
 from .equivalence import canonical, compare, forward_backward, random_batch, rel_err
 
-from version3_triton import stages  # noqa: E402  (after conftest has chosen the Triton interpreter)
-from version3_triton import tiny_llama_v3  # noqa: E402
+from version3_triton import tiny_llama_v3  # noqa: E402  (after conftest has chosen the Triton interpreter)
+from version3_triton.exercises.performance_debugging import run_stage, stages  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUN_ALL_STAGES = REPO_ROOT / "version3_triton" / "exercises" / "performance_debugging" / "run_all_stages.sh"
@@ -56,9 +57,9 @@ def nan_like(shape, dtype, device):
 
 
 def run_cli(argv, tmp_path, name):
-    """One training run of tiny_llama_v3.py in this process; returns its metrics JSON."""
+    """One training run of run_stage.py (version 3 with --stage) in this process; returns its metrics JSON."""
     path = tmp_path / f"{name}.json"
-    assert tiny_llama_v3.main(argv + ["--output-json", str(path)]) == 0
+    assert run_stage.main(argv + ["--output-json", str(path)]) == 0
     return json.loads(path.read_text())
 
 
@@ -296,20 +297,20 @@ def test_stage3_reports_its_host_timer_next_to_the_harness_timing(tmp_path, caps
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The --stage flag
+# The --stage flag (run_stage.py; version 3's own command line has none)
 # ----------------------------------------------------------------------------------------------------------
 def test_stage_flag_rejects_an_unknown_stage(capsys):
     with pytest.raises(SystemExit) as stopped:
-        tiny_llama_v3.main(TINY_RUN + ["--stage", "6"])
+        run_stage.main(TINY_RUN + ["--stage", "6"])
     assert stopped.value.code == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "--stage" in error
 
 
 def test_describe_names_the_stage_and_leaves_stage5_unchanged():
-    assert set(tiny_llama_v3.describe(SimpleNamespace(stage=5))) == {"kernels"}
+    assert set(run_stage.describe(SimpleNamespace(stage=5))) == {"kernels"}
     for stage in (1, 2, 3, 4):
-        info = tiny_llama_v3.describe(SimpleNamespace(stage=stage))
+        info = run_stage.describe(SimpleNamespace(stage=stage))
         assert info["stage"].startswith(f"{stage} of 5") and info["defect"] == stages.STAGES[stage][1]
 
 

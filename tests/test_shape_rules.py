@@ -18,6 +18,7 @@ import torch
 from tinytransformer.config import ModelConfig
 from version3_triton import run_triton_profiling, tune_flash_attention
 from version3_triton import tiny_llama_v3 as v3
+from version3_triton.exercises.performance_debugging import run_stage
 from version3_triton.kernels import flash_attention as fa
 from version3_triton.kernels import rmsnorm as v3_rmsnorm
 from version4_triton_ultra import profile_graphed_step, run_kernel_benchmarks, run_ultra_profiling
@@ -90,7 +91,7 @@ SCRIPTS = {
     "tiny_llama_v3.py": ("v3", training_script(v3)),
     "tiny_llama_v4.py": ("v4", training_script(v4)),
     "tiny_llama_v4.py --rope-in-attention": ("v4", lambda flags: v4.main(flags + CPU + ["--rope-in-attention"])),
-    "tiny_llama_v3.py --stage 4": ("v3", lambda flags: v3.main(flags + CPU + ["--stage", "4"])),
+    "run_stage.py --stage 4": ("v3", lambda flags: run_stage.main(flags + CPU + ["--stage", "4"])),
     "run_ultra_profiling.py (v3)": ("v3", after_double_dash(run_ultra_profiling.main, "--versions", "v1,v3")),
     "run_ultra_profiling.py (v4)": ("v4", after_double_dash(run_ultra_profiling.main, "--versions", "v4")),
     "compare_versions.py (v3)": ("v3", after_double_dash(compare_versions.main, "--variants", "v1,v3",

@@ -33,20 +33,19 @@ def test_tuner_launches_match_the_library():
     from version3_triton.kernels import flash_attention as fa
     torch.manual_seed(0)
     problem = tuner.Problem(fa, 1, 2, 40, 16, torch.float32, device="cpu")
-    want_out, want_rotated = problem.out.clone(), problem.qkv_rotated.clone()
+    want_out, want_lse = problem.out.clone(), problem.lse.clone()
     config = dict(BLOCK_M=16, BLOCK_N=32, num_warps=1, num_stages=1)
     problem.out.fill_(float("nan"))
-    problem.qkv_rotated.fill_(float("nan"))
+    problem.lse.fill_(float("nan"))
     problem.launcher("forward", config)()
-    # the library's forward filled `out` and the rotated q | k | v with its own config
+    # the tuner's launch with another config fills `out` and lse as the library's forward did with its own
     torch.testing.assert_close(problem.out, want_out)
-    torch.testing.assert_close(problem.qkv_rotated, want_rotated)
+    torch.testing.assert_close(problem.lse, want_lse)
 
     p = problem.problem
     dim = problem.q.shape[-1]
     dq, dk, dv = torch.empty_like(problem.grad_qkv).split(dim, dim=-1)   # the packed layout the kernels write
-    fa._run_backward(p, *problem.rotated, problem.out, problem.lse, problem.cos, problem.sin,
-                     problem.grad_out, dq, dk, dv)
+    fa._run_backward(p, problem.q, problem.k, problem.v, problem.out, problem.lse, problem.grad_out, dq, dk, dv)
     for kernel in ("dkdv", "dq"):
         problem.launcher(kernel, config)()
     torch.testing.assert_close(problem.dq, dq, rtol=1e-5, atol=1e-5)

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from version4_triton_ultra.tiny_llama_v4 import ProjectionMatmul, Projection, TinyLlama
+from version4_triton_ultra.backward_overlap import ProjectionMatmul
+from version4_triton_ultra.tiny_llama_v4 import Projection, TinyLlama
 from tinytransformer.config import ModelConfig
 
 BF16_TOLERANCE = 2e-2

@@ -14,7 +14,8 @@ def train_frozen_embedding(graphed, num_layers=2, amp_dtype=None, use_triton_ada
     """`steps` training steps on fixed random batches: GraphedStep (2 eager warm-up steps, then replays) or
     EagerStep. amp_dtype None: float32; else autocast in that dtype. Returns losses, step, model, optimizer,
     train."""
-    from version4_triton_ultra.tiny_llama_v4 import GraphedStep, TinyLlama
+    from version4_triton_ultra.graphed_step import GraphedStep
+    from version4_triton_ultra.tiny_llama_v4 import TinyLlama
     config = ModelConfig(num_layers=num_layers)
     train = TrainConfig(batch_size=8, seq_len=128, use_amp=amp_dtype is not None, amp_dtype=amp_dtype or "bfloat16")
     generator = torch.Generator(device="cuda").manual_seed(0)

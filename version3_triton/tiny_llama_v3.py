@@ -213,38 +213,17 @@ def check_arguments(args, device):
 def describe(args) -> dict:
     mode = ("in Triton's CPU interpreter: correct but slow" if interpreter_active()
             else "compiled for the GPU")
-    info = {"kernels": f"Triton RMSNorm, RoPE, flash attention, SwiGLU ({mode}); GEMMs on the vendor BLAS"}
-    if getattr(args, "stage", 5) != 5:
-        from version3_triton import stages
-        info.update(stages.describe(args.stage, args))
-    return info
-
-
-# The performance-debugging exercise (exercises/performance_debugging/): --stage 1-4 each plant one defect
-# into this model (stages.py); --stage 5, the default, is this file unchanged. stages.py is imported only
-# when needed, inside the hooks: it builds on the classes above.
-def add_arguments(group):
-    group.add_argument("--stage", type=int, choices=[1, 2, 3, 4, 5], default=5,
-                       help="performance-debugging stage: 1 uninitialised weights, 2 non-contiguous input to a "
-                            "Triton kernel, 3 timing without synchronisation, 4 naive Triton matmul, "
-                            "5 version 3 as it is (see stages.py)")
+    return {"kernels": f"Triton RMSNorm, RoPE, flash attention, SwiGLU ({mode}); GEMMs on the vendor BLAS"}
 
 
 def build_model(config, args):
-    stage = getattr(args, "stage", 5)
-    if stage == 5:
-        return TinyLlama(config)
-    from version3_triton import stages
-    return stages.build_model(stage, config)
+    return TinyLlama(config)
 
 
-def make_step(model, optimizer, device, train, args):
-    from version3_triton import stages
-    return stages.make_step(getattr(args, "stage", 5), model, optimizer, device, train, args)
-
-
-SPEC = VersionSpec(name="v3", title="Triton kernels", build_model=build_model, add_arguments=add_arguments,
-                   check_arguments=check_arguments, describe=describe, make_step=make_step)
+# The performance-debugging exercise (exercises/performance_debugging/) builds on this file: its run_stage.py is
+# this SPEC with a --stage flag and the defects of its stages.py; nothing here imports it.
+SPEC = VersionSpec(name="v3", title="Triton kernels", build_model=build_model, check_arguments=check_arguments,
+                   describe=describe)
 
 
 def main(argv=None):

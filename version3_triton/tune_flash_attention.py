@@ -9,8 +9,7 @@ warps and pipeline stages (`_launch_config`), chosen with this script on an H100
 with 64-wide wavefronts and 64 KiB of shared memory per CU, an older NVIDIA part) may prefer others: run this,
 compare the "current" row with the best ones, and edit `_launch_config` if they differ by more than noise.
 
-What it measures: each kernel alone, on inputs laid out as version 4 calls it (packed QKV, RoPE on load,
-causal): 20 launches captured in one CUDA/HIP graph, the graph replayed 7 times, the median replay divided by 20.
+What it measures: each kernel alone, on inputs laid out as version 3's model calls it (packed QKV, causal): 20 launches captured in one CUDA/HIP graph, the graph replayed 7 times, the median replay divided by 20.
 So even the few-microsecond kernels of a short sequence are timed without the host's launch cost. Compiling 60 configs
 per kernel and dtype takes a few minutes the first time (Triton caches them on disk afterwards).
 Needs a GPU: the CPU interpreter's timings say nothing about one.
@@ -79,7 +78,7 @@ def parse_args(argv):
     parser.add_argument("--quick", action="store_true", help="12 configs per kernel instead of 60")
     parser.add_argument("--top", type=int, default=5, help="how many of the fastest configs to show [5]")
     args = parser.parse_args(argv)
-    for batch, heads, seq_len in args.shapes:   # laid out as version 4 calls the kernels: rows 3 * D apart
+    for batch, heads, seq_len in args.shapes:   # laid out as the model calls the kernels: rows 3 * D apart
         problem = fa.shape_problem(batch * heads, seq_len, args.head_dim, 3 * heads * args.head_dim)
         if problem:
             parser.error(f"shape {batch}x{heads}x{seq_len}: {problem}")
@@ -89,26 +88,19 @@ def parse_args(argv):
 
 
 class Problem:
-    """Inputs and outputs of the three kernels for one shape, laid out as version 4 uses them (the same memory;
+    """Inputs and outputs of the three kernels for one shape, laid out as the model uses them (the same memory;
     k and v are passed as views of qkv with offsets 0, where the library passes qkv with k_offset, v_offset)."""
 
     def __init__(self, fa, batch, heads, seq_len, head_dim, dtype, device="cuda"):
-        from version3_triton.kernels.rope import rope_tables
         dim = heads * head_dim
         qkv = torch.randn(batch, seq_len, 3 * dim, device=device, dtype=dtype)
         self.q, self.k, self.v = qkv.split(dim, dim=-1)
-        cos, sin = rope_tables(seq_len, head_dim, 10000.0)
-        self.cos, self.sin = (table.to(device=device, dtype=torch.float32).contiguous() for table in (cos, sin))
         self.problem = fa._Problem(batch, heads, seq_len, head_dim,
                                    qkv_strides=(seq_len * 3 * dim, head_dim, 3 * dim),
                                    out_strides=(seq_len * dim, head_dim, dim), causal=True,
                                    sm_scale=1.0 / math.sqrt(head_dim), precision=fa._dot_precision(dtype, False))
         self.out = torch.empty(batch, seq_len, dim, device=device, dtype=dtype)
-        # The forward also writes [rotated q | rotated k | v] for the backward, which reads only those.
-        self.qkv_rotated = torch.empty_like(qkv)
-        self.rotated = self.qkv_rotated.split(dim, dim=-1)
-        self.lse = fa._run_forward(self.problem, self.q, self.k, self.v, self.out, self.cos, self.sin,
-                                   rotated=self.rotated)
+        self.lse = fa._run_forward(self.problem, self.q, self.k, self.v, self.out)
         self.grad_out = torch.randn_like(self.out)
         per_head = (self.out.float() * self.grad_out.float()).view(batch, seq_len, heads, head_dim).sum(-1)
         self.delta = per_head.transpose(1, 2).reshape(batch * heads, seq_len).contiguous()  # dq rewrites it (same values)
@@ -120,20 +112,16 @@ class Problem:
         """A no-argument function that launches `kernel` once with `config`."""
         import triton
         fa, p, bh = self.fa, self.problem, self.problem.batch * self.problem.heads
-        flags = dict(HEAD_DIM=p.head_dim, CAUSAL=True, ROPE=True, DOT_PRECISION=p.precision, **config)
+        flags = dict(HEAD_DIM=p.head_dim, CAUSAL=True, DOT_PRECISION=p.precision, **config)
         blocks = triton.cdiv(p.seq_len, config["BLOCK_N" if kernel == "dkdv" else "BLOCK_M"])
-        q_rot, k_rot, v_copy = self.rotated
         if kernel == "forward":
-            args = (self.q, self.k, self.v, self.out, self.lse, self.cos, self.sin, q_rot, k_rot, v_copy)
-            flags["COPY_V"] = True
+            args = (self.q, self.k, self.v, self.out, self.lse)
             kernel_fn = fa._flash_attention_forward_kernel
         elif kernel == "dkdv":
-            args = (q_rot, k_rot, v_copy, self.grad_out, self.lse, self.delta, self.dk, self.dv, self.cos,
-                    self.sin)
+            args = (self.q, self.k, self.v, self.grad_out, self.lse, self.delta, self.dk, self.dv)
             kernel_fn = fa._flash_attention_backward_dkdv_kernel
         else:
-            args = (q_rot, k_rot, v_copy, self.out, self.grad_out, self.lse, self.delta, self.dq, self.cos,
-                    self.sin)
+            args = (self.q, self.k, self.v, self.out, self.grad_out, self.lse, self.delta, self.dq)
             kernel_fn = fa._flash_attention_backward_dq_kernel
         return lambda: kernel_fn[(blocks, bh)](*args, *p.scalar_args(), **flags)
 
@@ -169,8 +157,8 @@ def describe(config: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configs = candidate_configs(args.quick)
-    print(f"{torch.cuda.get_device_name()}: {len(configs)} configs per kernel, head dim {args.head_dim}, causal, "
-          f"RoPE on load; times are medians of graph replays (us)")
+    print(f"{torch.cuda.get_device_name()}: {len(configs)} configs per kernel, head dim {args.head_dim}, causal; "
+          f"times are medians of graph replays (us)")
     print(f"{'dtype':<9} {'B x H x S':<12} {'kernel':<8} {'current':>22}   fastest")
     for dtype_name in args.dtype:
         dtype = DTYPES[dtype_name]

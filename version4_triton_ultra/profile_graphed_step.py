@@ -110,6 +110,7 @@ def shape_problem(args) -> str | None:
 
 def build_step(args):
     """The model, its optimizer and version 4's GraphedStep, as the training script builds them."""
+    from version4_triton_ultra import graphed_step
     from version4_triton_ultra import tiny_llama_v4 as v4
     set_tf32(True)    # the training script's default (--tf32)
     config = model_config(args)
@@ -120,8 +121,8 @@ def build_step(args):
     model.use_triton_adamw = not args.torch_adamw
     model.use_rope_in_attention(args.rope_in_attention)
     model.cuda()
-    step = v4.GraphedStep(model, model.configure_optimizer(train), torch.device("cuda"), train,
-                          weight_gradient_stream=args.weight_grad_stream)
+    step = graphed_step.GraphedStep(model, model.configure_optimizer(train), torch.device("cuda"), train,
+                                    weight_gradient_stream=args.weight_grad_stream)
     tokens = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len + 1), device="cuda")
     return step, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 

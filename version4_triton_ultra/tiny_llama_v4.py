@@ -5,14 +5,15 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      normalised activations of the next sub-layer in one pass; the backward is one pass too.
   2. RoPE inside the QKV GEMM (kernels/qkv_rope_gemm.py): the GEMM rotates q and k in its epilogue, and the
      attention backward rotates the gradients back as it stores them, so the separate RoPE pass of version 3
-     disappears (RotaryQKVAttention). --rope-in-attention instead rotates q and k as the flash-attention
-     kernel loads them, the way version 4 first did it: slower, because every key block is rotated once per
-     query block that reads it (the README measures both).
+     disappears (RotaryQKVAttention in fused_layers.py). --rope-in-attention instead rotates q and k as the
+     flash-attention kernel loads them (kernels/flash_attention.py, version 4's copy of version 3's), the way
+     version 4 first did it: slower, because every key block is rotated once per query block that reads it
+     (the README measures both).
   3. Attention reads q, k, v straight from the fused QKV output and writes its output in the layout the output
      projection reads: no copies (version 3 transposes q, k, v and the output, and again in the backward pass).
   4. SwiGLU inside the feed-forward GEMMs (kernels/swiglu_gemm.py): the gate/up GEMM computes h = silu(gate) * up
      in its epilogue, and the down projection's input-gradient GEMM computes d(gate_up) in its epilogue, so
-     version 3's SwiGLU kernels (forward and backward) disappear (SwiGLUFeedForward).
+     version 3's SwiGLU kernels (forward and backward) disappear (SwiGLUFeedForward in fused_layers.py).
   5. LM head + cross-entropy fused and chunked (kernels/linear_cross_entropy.py): the float32 logits of the
      whole batch never exist; the loss kernel writes d(loss)/d(logits) in place, so backward is two GEMMs.
   6. Token embedding + the first RMSNorm in one kernel each way (embedding_rms_norm in kernels/add_rmsnorm.py):
@@ -27,9 +28,10 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      copies of item 7 from the updated values: no separate copy pass before the next forward pass.
      --torch-adamw uses torch.optim.AdamW(fused=True) and one copy kernel per step instead, to compare.
   9. CUDA/HIP graph: after a few eager warm-up steps, forward + backward + optimizer are captured ONCE and every
-     later step is a single graph replay: no Python, no per-kernel launch cost (--no-cuda-graph to compare).
-     Inside it, the weight-gradient GEMMs of the backward pass run on a second stream, at the same time as the
-     rest of the backward pass (WeightGradientStream; --no-weight-grad-stream to compare). Once the backward
+     later step is a single graph replay: no Python, no per-kernel launch cost (graphed_step.py, the training
+     step version 4's spec gives the harness; --no-cuda-graph to compare). Inside it, the weight-gradient GEMMs
+     of the backward pass run on a second stream, at the same time as the rest of the backward pass
+     (WeightGradientStream in backward_overlap.py; --no-weight-grad-stream to compare). Once the backward
      pass reaches layer 0, the later layers' projection weights and the output head have their final gradients:
      the optimizer updates them there, on the second stream, while layer 0's backward runs (CallDuringBackward);
      the rest after the backward pass. With --torch-adamw the bfloat16 weight copy runs on the second stream
@@ -56,211 +58,21 @@ from tinytransformer.cli import VersionSpec, build_parser, resolve_configs, run 
 from tinytransformer.config import ConfigError, ModelConfig, head_dim_advice  # noqa: E402
 from tinytransformer.precision import set_tf32  # noqa: E402
 from tinytransformer.profiling.ranges import profile_range  # noqa: E402
-from tinytransformer.training.step import EagerStep  # noqa: E402
 from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
                                      init_canonical_weights, split)
-from version3_triton.kernels import flash_attention as attention_kernels  # noqa: E402
-from version3_triton.kernels.flash_attention import (flash_attention_packed, packed_attention_backward,  # noqa: E402
-                                                     packed_attention_forward)
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
-from version4_triton_ultra.kernels.adamw import TritonAdamW  # noqa: E402
-from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm, embedding_rms_norm  # noqa: E402
-from version4_triton_ultra.kernels.linear_cross_entropy import (  # noqa: E402
-    accumulate_matmul, linear_cross_entropy, matmul_to_float32)
+from version4_triton_ultra import graphed_step  # noqa: E402
+from version4_triton_ultra.backward_overlap import (  # noqa: E402
+    CallDuringBackward, ProjectionMatmul, WeightGradientStream)
+from version4_triton_ultra.fused_layers import RotaryQKVAttention, SwiGLUFeedForward  # noqa: E402
 from version4_triton_ultra.kernels import add_rmsnorm as norm_kernels  # noqa: E402
+from version4_triton_ultra.kernels import flash_attention as attention_kernels  # noqa: E402
 from version4_triton_ultra.kernels import qkv_rope_gemm as qkv_kernels  # noqa: E402
 from version4_triton_ultra.kernels import swiglu_gemm as ffn_kernels  # noqa: E402
-from version4_triton_ultra.kernels.qkv_rope_gemm import qkv_rope  # noqa: E402
-from version4_triton_ultra.kernels.swiglu_gemm import down_swiglu_backward, gate_up_swiglu  # noqa: E402
-
-
-class WeightGradientStream:
-    """Runs the weight-gradient GEMMs of the backward pass on a second stream, beside the critical path.
-
-    In the backward pass of y = x @ W^T, grad_x = grad_y @ W feeds the next backward operation, but
-    grad_W = grad_y^T @ x is only read by the optimizer, after the whole backward pass. At this model size one
-    GEMM occupies a fraction of the GPU's SMs, so the weight GEMMs can run at the same time as the chain of
-    input-gradient GEMMs, norms and attention backwards instead of after each of them. Each projection's
-    backward queues its weight GEMM here (writing weight.grad itself and handing autograd no weight gradient);
-    `join()`, which the training step calls right after loss.backward(), makes the main stream wait for all of
-    them before the optimizer reads the gradients. (So it serves a plain loss.backward() of the whole model:
-    `backward(inputs=...)` and `torch.autograd.grad` would not see these gradients.)
-
-    Memory: a queued GEMM's operands (grad_y and x) must live until it has run. They are kept here, and once
-    more than `max_pending` GEMMs are queued the main stream waits for the oldest one and lets its operands go,
-    so at most about one layer's operands are held (the oldest GEMM has usually finished by then anyway).
-
-    Used by the graph-captured step (a CUDA/HIP graph records both streams and the events between them). Not
-    under data parallel: DDP starts its all-reduces from autograd's gradient hooks, which this bypasses.
-    """
-
-    def __init__(self, device: torch.device, max_pending: int = 4):
-        self.stream = torch.cuda.Stream(device)
-        self.max_pending = max_pending
-        self.pending = []   # (event after the GEMM, grad_y, x), oldest first
-
-    def queue(self, weight: torch.Tensor, grad_y: torch.Tensor, x: torch.Tensor) -> None:
-        """weight.grad (+)= grad_y^T @ x on the side stream; grad_y: [rows, out], x: [rows, in]."""
-        if weight.dtype != torch.float32 or (weight.grad is not None and weight.grad.dtype != torch.float32):
-            raise ValueError("the weight-gradient stream writes float32 gradients of float32 weights")
-        main = torch.cuda.current_stream(weight.device)
-        first = weight.grad is None   # else a second backward before the optimizer step: accumulate
-        if first:
-            # Allocated on the main stream, which reads it (the optimizer) and frees it (zero_grad).
-            weight.grad = torch.empty_like(weight)
-        self.stream.wait_stream(main)   # grad_y and x are produced on the main stream
-        with torch.cuda.stream(self.stream):
-            if first:
-                matmul_to_float32(grad_y.T, x, out=weight.grad)
-            else:
-                accumulate_matmul(weight.grad, grad_y.T, x)
-            done = torch.cuda.Event()
-            done.record()
-        self.pending.append((done, grad_y, x))
-        while len(self.pending) > self.max_pending:
-            oldest_done, oldest_grad_y, oldest_x = self.pending.pop(0)
-            main.wait_event(oldest_done)
-            del oldest_grad_y, oldest_x   # only now: later main-stream work may reuse their memory
-
-    def run_after_queued(self, work) -> None:
-        """Call work() on the side stream, ordered after every GEMM queued so far and after everything the main
-        stream has done so far (the optimizer's early update: GraphedStep._update_first_group)."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            work()
-
-    def join(self) -> None:
-        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-        self.pending.clear()   # safe now: later work on the main stream is ordered after the side stream's
-
-
-class CallDuringBackward(torch.autograd.Function):
-    """Identity on (h, normed) in the forward pass; in the backward pass, calls `callback()` once the gradients
-    of both have arrived, i.e. once the backward of everything after this point in the forward pass has been
-    launched (queued on the GPU, not necessarily finished: the callback must order its own work after it, as
-    WeightGradientStream.run_after_queued does)."""
-
-    @staticmethod
-    def forward(ctx, callback, h, normed):
-        ctx.callback = callback
-        return h.view_as(h), normed.view_as(normed)
-
-    @staticmethod
-    def backward(ctx, grad_h, grad_normed):
-        ctx.callback()
-        return None, grad_h, grad_normed
-
-
-class ProjectionMatmul(torch.autograd.Function):
-    """y = x @ gemm_weight^T, where gemm_weight is either the float32 `weight` itself or a 16-bit copy of it
-    made before the forward pass (under autocast).
-
-    Backward: grad_x = grad_y @ gemm_weight (16-bit under autocast, as autocast would do), and the weight
-    gradient from the same operands straight into float32, as the gradient of the float32 `weight` (the
-    optimizer's master copy): returned to autograd, or, with a WeightGradientStream, queued on its stream.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, gemm_weight, weight_grad_stream):
-        x = x.to(gemm_weight.dtype)
-        ctx.save_for_backward(x, gemm_weight)
-        ctx.weight, ctx.weight_grad_stream = weight, weight_grad_stream
-        return x @ gemm_weight.T
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, gemm_weight = ctx.saved_tensors
-        grad_x = grad_y @ gemm_weight if ctx.needs_input_grad[0] else None   # first: the critical path
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = weight_gradient(ctx.weight, grad_y.reshape(-1, grad_y.shape[-1]),
-                                          x.reshape(-1, x.shape[-1]), ctx.weight_grad_stream)
-        return grad_x, grad_weight, None, None
-
-
-def weight_gradient(weight, grad_y_rows, x_rows, weight_grad_stream):
-    """The float32 gradient grad_y^T @ x of a projection's weight, returned to autograd; or, with a
-    WeightGradientStream, queued on its stream (it writes weight.grad itself) and None returned."""
-    if weight_grad_stream is None:
-        return matmul_to_float32(grad_y_rows.T, x_rows)
-    weight_grad_stream.queue(weight, grad_y_rows, x_rows)
-    return None
-
-
-class SwiGLUFeedForward(torch.autograd.Function):
-    """y = down(silu(gate) * up) with [gate | up] = x @ W_gu^T, where both SwiGLU passes ride on a GEMM
-    (kernels/swiglu_gemm.py) instead of running as kernels of their own.
-
-    Forward: one Triton GEMM writes gate_up (saved) and h = silu(gate) * up; the down GEMM (vendor BLAS) reads h.
-    Backward: one Triton GEMM computes dh = grad_y @ W_down and, from the same registers, d(gate_up); the
-    gate/up projection's input gradient is a vendor GEMM. Weight operands as in ProjectionMatmul: `*_gemm_weight`
-    is the float32 weight or its 16-bit copy under autocast; the weight gradients come out in float32 (on the
-    weight-gradient stream when there is one).
-    """
-
-    @staticmethod
-    def forward(ctx, x, gate_up_weight, gate_up_gemm_weight, down_weight, down_gemm_weight, weight_grad_stream):
-        x_rows = x.reshape(-1, x.shape[-1]).to(gate_up_gemm_weight.dtype)
-        gate_up, h = gate_up_swiglu(x_rows, gate_up_gemm_weight)
-        y = h @ down_gemm_weight.T
-        ctx.save_for_backward(x_rows, gate_up, h, gate_up_gemm_weight, down_gemm_weight)
-        ctx.weights, ctx.weight_grad_stream, ctx.x_shape = (gate_up_weight, down_weight), weight_grad_stream, x.shape
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x_rows, gate_up, h, gate_up_gemm_weight, down_gemm_weight = ctx.saved_tensors
-        gate_up_weight, down_weight = ctx.weights
-        needs_x, needs_gate_up_weight, needs_down_weight = (ctx.needs_input_grad[i] for i in (0, 1, 3))
-        grad_y_rows = grad_y.reshape(-1, grad_y.shape[-1]).to(h.dtype)
-        grad_down_weight = grad_gate_up_weight = grad_x = None
-        # The fused kernel first: on the second stream, a weight GEMM queued before it would start at the same
-        # moment and take SMs from it. The down projection's weight GEMM then runs beside grad_x's GEMM.
-        grad_gate_up = None
-        if needs_x or needs_gate_up_weight:
-            grad_gate_up = down_swiglu_backward(grad_y_rows, down_gemm_weight, gate_up)
-        if needs_down_weight:
-            grad_down_weight = weight_gradient(down_weight, grad_y_rows, h, ctx.weight_grad_stream)
-        if needs_x:
-            grad_x = (grad_gate_up @ gate_up_gemm_weight).view(ctx.x_shape)
-        if needs_gate_up_weight:
-            grad_gate_up_weight = weight_gradient(gate_up_weight, grad_gate_up, x_rows, ctx.weight_grad_stream)
-        return grad_x, grad_gate_up_weight, None, grad_down_weight, None, None
-
-
-class RotaryQKVAttention(torch.autograd.Function):
-    """out = attention(RoPE(x @ W_qkv^T)), causal, with RoPE in the QKV GEMM's epilogue (kernels/qkv_rope_gemm.py).
-
-    Forward: one Triton GEMM writes qkv [B, S, 3D] with q and k already rotated; the flash-attention forward reads
-    it as it is (no RoPE in its loops). The backward reads the same qkv, which is all attention saves besides
-    out and lse; its kernels rotate dq and dk back as they store them, which makes grad_qkv the gradient of the
-    GEMM's unrotated output, and the GEMM's backward is two vendor GEMMs: grad_x, and the float32 weight
-    gradient (on the weight-gradient stream when there is one). Weight operands as in ProjectionMatmul.
-    """
-
-    @staticmethod
-    def forward(ctx, x, qkv_weight, qkv_gemm_weight, cos, sin, num_heads, precise_fp32, weight_grad_stream):
-        batch, seq_len, dim = x.shape
-        x_rows = x.reshape(-1, dim).to(qkv_gemm_weight.dtype)
-        qkv = qkv_rope(x_rows, qkv_gemm_weight, cos, sin, seq_len, dim // num_heads).view(batch, seq_len, 3 * dim)
-        out, lse = packed_attention_forward(qkv, num_heads, causal=True, precise_fp32=precise_fp32)
-        ctx.save_for_backward(x_rows, qkv_gemm_weight, qkv, out, lse, cos, sin)
-        ctx.weight, ctx.weight_grad_stream = qkv_weight, weight_grad_stream
-        ctx.num_heads, ctx.precise_fp32, ctx.x_shape = num_heads, precise_fp32, x.shape
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x_rows, qkv_gemm_weight, qkv, out, lse, cos, sin = ctx.saved_tensors
-        grad_qkv = packed_attention_backward(qkv, out, lse, grad_out, ctx.num_heads, causal=True,
-                                             precise_fp32=ctx.precise_fp32, rope=(cos, sin))
-        grad_rows = grad_qkv.view(-1, grad_qkv.shape[-1])
-        grad_x = grad_weight = None
-        if ctx.needs_input_grad[0]:   # first: the critical path
-            grad_x = (grad_rows @ qkv_gemm_weight).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            grad_weight = weight_gradient(ctx.weight, grad_rows, x_rows, ctx.weight_grad_stream)
-        return grad_x, grad_weight, None, None, None, None, None, None
+from version4_triton_ultra.kernels.adamw import TritonAdamW  # noqa: E402
+from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm, embedding_rms_norm  # noqa: E402
+from version4_triton_ultra.kernels.flash_attention import flash_attention_packed  # noqa: E402
+from version4_triton_ultra.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 
 
 class Projection(nn.Linear):
@@ -555,89 +367,6 @@ class TinyLlama(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The graph-captured training step
-# ----------------------------------------------------------------------------------------------------------
-class GraphedStep:
-    """forward + backward + optimizer captured once in a CUDA/HIP graph, then replayed every step.
-
-    The first `warmup_steps` steps run eagerly on a side stream: they are real training steps (their losses
-    count) and they make every lazy allocation (optimizer state, cuBLAS workspaces, Triton compilation) happen
-    before the capture, as graph capture requires. Then the step is captured reading its batch from static
-    buffers; each later call copies the batch in and replays the graph. The loss stays on the device: the
-    trainer reads it only when it prints. With `weight_gradient_stream` (the default) the graph holds two
-    streams: the projections' weight-gradient GEMMs run beside the rest of the backward pass (this switches the
-    model's WeightGradientStream on or off).
-    """
-
-    supports_breakdown = False
-
-    def __init__(self, model, optimizer, device, train, warmup_steps: int = 3, weight_gradient_stream=True):
-        self.model, self.optimizer, self.device = model, optimizer, device
-        model.use_weight_gradient_stream(weight_gradient_stream)
-        self.autocast_dtype = getattr(torch, train.amp_dtype) if train.use_amp else None
-        self.warmup_steps, self.calls = warmup_steps, 0
-        self.graph = None
-        self.side_stream = torch.cuda.Stream(device)
-        # With the second stream and TritonAdamW's two groups, the first group (the weights of layers 1 and up,
-        # and the output head) is updated on the second stream while the main stream still runs layer 0's
-        # backward: that part of the optimizer no longer waits for the end of the backward pass.
-        self.updates_early = (weight_gradient_stream and hasattr(optimizer, "step_groups")
-                              and len(optimizer.param_groups) > 1)
-
-    def _update_first_group(self):
-        self.model.weight_grad_stream.run_after_queued(lambda: self.optimizer.step_groups([0]))
-
-    def _step(self, inputs, targets):
-        # The model calls back during the backward pass of THIS step only: set for the step, then removed, so
-        # that no other backward pass through the model (an eager step, a check) updates the first group.
-        self.model.early_update = self._update_first_group if self.updates_early else None
-        try:
-            # cache_enabled=False: autocast's weight-cast cache would hold tensors created outside the graph.
-            with torch.autocast("cuda", dtype=self.autocast_dtype or torch.bfloat16,
-                                enabled=self.autocast_dtype is not None, cache_enabled=False):
-                with profile_range("forward"):
-                    _, loss = self.model(inputs, targets)
-            with profile_range("backward"):
-                loss.backward()
-                self.model.join_weight_gradients()   # with the second stream: its GEMMs finish before the optimizer
-        finally:
-            self.model.early_update = None
-        with profile_range("optimizer"):
-            if self.updates_early:   # the first group was updated during the backward pass
-                self.optimizer.step_groups(range(1, len(self.optimizer.param_groups)))
-            else:
-                self.optimizer.step()
-        return loss.detach()
-
-    def _capture(self, inputs, targets):
-        self.static_inputs, self.static_targets = inputs.clone(), targets.clone()
-        self.graph = torch.cuda.CUDAGraph()
-        # Gradients set to None: the captured backward allocates them in the graph's memory pool and every
-        # replay overwrites them in place, so no zero_grad is needed inside the graph.
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.cuda.graph(self.graph):
-            self.static_loss = self._step(self.static_inputs, self.static_targets)
-        if hasattr(self.optimizer, "finish_capture"):   # TritonAdamW: the graph's gradient addresses
-            self.optimizer.finish_capture()
-
-    def __call__(self, inputs, targets):
-        self.calls += 1
-        if self.calls <= self.warmup_steps:
-            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.side_stream):
-                self.optimizer.zero_grad(set_to_none=True)
-                loss = self._step(inputs, targets)
-            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
-            return loss
-        if self.graph is None:
-            self._capture(inputs, targets)   # recording does not execute: the replay below runs this step
-        self.static_inputs.copy_(inputs)
-        self.static_targets.copy_(targets)
-        self.graph.replay()
-        return self.static_loss
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Command line: the shared harness plus version 4's switches
 # ----------------------------------------------------------------------------------------------------------
 def add_arguments(group):
@@ -659,11 +388,6 @@ def add_arguments(group):
                             "in a kernel of their own, instead of version 4's Triton AdamW (to compare)")
     group.add_argument("--graph-warmup-steps", type=int, default=3,
                        help="eager steps before the graph is captured")
-
-
-def uses_graph(args, device) -> bool:
-    # GradScaler (float16 AMP) makes host-side decisions every step, which a replayed graph cannot.
-    return device.type == "cuda" and args.cuda_graph and not (args.use_amp and args.amp_dtype == "float16")
 
 
 def shape_problem(config: ModelConfig, batch_size: int, seq_len: int, gemm_dtype: torch.dtype = torch.float32,
@@ -734,13 +458,6 @@ def build_model(config, args):
     return model
 
 
-def make_step(model, optimizer, device, train, args):
-    if uses_graph(args, device):
-        return GraphedStep(model, optimizer, device, train, warmup_steps=args.graph_warmup_steps,
-                           weight_gradient_stream=args.weight_grad_stream)
-    return EagerStep(model, optimizer, device, train)
-
-
 def describe(args) -> dict:
     on_gpu = torch.cuda.is_available() and args.device != "cpu"
     step = "CUDA/HIP graph replay" if (on_gpu and args.cuda_graph) else "eager launches"
@@ -764,8 +481,9 @@ def describe(args) -> dict:
     return {"step": step, "matmuls": matmuls, "RoPE": rope, "optimizer": optimizer}
 
 
+# The training step is a strategy of its own (graphed_step.py): the graph-captured step on a GPU, else eager.
 SPEC = VersionSpec(name="v4", title="Triton ultra-fused", build_model=build_model, add_arguments=add_arguments,
-                   check_arguments=check_arguments, describe=describe, make_step=make_step)
+                   check_arguments=check_arguments, describe=describe, make_step=graphed_step.make_step)
 
 
 def main(argv=None):

@@ -1,4 +1,4 @@
-"""Causal flash attention in Triton: forward and backward, with an optional RoPE applied as q and k are loaded.
+"""Causal flash attention in Triton: forward and backward.
 
 Attention is out = softmax(q k^T * sm_scale + causal mask) v. Written naively it builds the S x S score
 matrix for every head: at S = 4096 that is 16 M scores per head, written to memory and read back by the
@@ -25,32 +25,17 @@ Each output element is written by exactly one program, so there are no atomics a
 deterministic; the price is computing q k^T and dO v^T twice.
 (The kernels evaluate these exponentials as exp2, with log2(e) folded into the scale: see _LOG2E.)
 
-RoPE on load (version 4 with --rope-in-attention): rotary embeddings rotate q and k by a position-dependent
-angle just before attention. With `rope=(cos, sin)` the forward kernel receives UNrotated q and k and rotates each block
-as it is loaded, in the rotate-half convention
-    rot(x) = x * cos + rotate_half(x) * sin,     rotate_half(x) = cat(-x[..., Dh/2:], x[..., :Dh/2]),
-with cos and sin of shape [S, Dh] and equal on both halves. No separate RoPE pass runs before attention. The
-forward kernel rotates every key block again for each query block that visits it; so that the backward pass
-does not rotate everything a second and third time, each forward program also writes the rotated q and k rows
-of its own positions (and, in the packed layout, a copy of the v rows) into a buffer laid out like the input,
-which is what the forward saves for the backward: the backward kernels then read q and k as they are. The
-gradients come back with respect to the unrotated inputs: the rotation is orthogonal, so its transpose,
-x * cos - rotate_half(x) * sin, is applied to dq and dk once before they are stored. (By default version 4
-rotates q and k in its QKV GEMM's epilogue instead, and calls the kernels through packed_attention_forward /
-packed_attention_backward: the forward without RoPE, the backward with its rotation of dq and dk.)
-
 The entry points share the same kernels (they differ only in the strides they pass, see "Addressing"):
     flash_attention(q, k, v)             q, k, v, out: [B, H, S, Dh]                      (the textbook layout)
     flash_attention_packed(qkv, H)       qkv: [B, S, 3*D] straight from a fused QKV projection, columns
                                          [q heads | k heads | v heads]; out: [B, S, D], D = H * Dh, the
-                                         layout the output projection reads (version 3; version 4 with
-                                         --rope-in-attention)
-    packed_attention_forward / _backward the packed layout's kernels without autograd, for a caller with its
-                                         own autograd Function (version 4's default, whose QKV GEMM rotates
-                                         q and k)
+                                         layout the output projection reads (version 3's model)
 The packed one saves the transposes a model would otherwise copy around attention: [B, S, 3, H, Dh] ->
 [3, B, H, S, Dh] before it, [B, H, S, Dh] -> [B, S, H * Dh] after it, and both again in the backward pass.
 lse and delta: [B*H, S] float32 in both.
+
+Version 4 keeps its own copy of this file (../../version4_triton_ultra/kernels/flash_attention.py) that also
+applies RoPE as q and k are loaded; RoPE here is a kernel of its own (rope.py), run before attention.
 """
 import contextlib
 import math
@@ -66,9 +51,8 @@ from tinytransformer.triton_support import (MAX_GRID_SECOND_AXIS, interpreter_ac
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Tests set this to True: every buffer the wrapper allocates for a kernel to fill (out, lse, the rotated q and
-# k (and v) saved for the backward, delta, dq, dk, dv) then starts as NaN, so an element that a kernel forgets
-# to write cannot pass as a plausible value.
+# Tests set this to True: every buffer the wrapper allocates for a kernel to fill (out, lse, delta, dq, dk, dv)
+# then starts as NaN, so an element that a kernel forgets to write cannot pass as a plausible value.
 FILL_NEW_BUFFERS_WITH_NAN = False
 
 
@@ -94,9 +78,7 @@ FILL_NEW_BUFFERS_WITH_NAN = False
 # In the packed layout the wrapper passes qkv itself as q, k and v (and its gradient as dq, dk and dv), and the
 # kernels add k_offset = D and v_offset = 2D elements for k and v: offsets rather than three views of qkv,
 # because each view is a torch call, and at the seed size a training step waits for the host's calls.
-# q, k, v, dq, dk, dv, and the rotated q, k (and v) that the forward saves with RoPE, share one set of strides
-# (the "qkv" strides); out and d(out) share another.
-# The RoPE tables are plain contiguous [S, Dh] matrices: row stride Dh.
+# q, k, v, dq, dk, dv share one set of strides (the "qkv" strides); out and d(out) share another.
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -137,56 +119,6 @@ def _store_rows(base, rows, row_stride, seq_len, block, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _rotate_half(x, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """cat(-x2, x1) for a [BLOCK, HEAD_DIM] block held in registers, where x1, x2 are its column halves.
-
-    tl.split / tl.join work on a last dimension of size 2, so the block is viewed as
-    [row, column within half, which half] (reshape, then permute), split, swapped, joined and viewed back.
-    """
-    halves = tl.permute(tl.reshape(x, (BLOCK, 2, HEAD_DIM // 2)), (0, 2, 1))
-    x1, x2 = tl.split(halves)
-    return tl.reshape(tl.permute(tl.join(-x2, x1), (0, 2, 1)), (BLOCK, HEAD_DIM))
-
-
-@triton.jit
-def _rope(x, Cos, Sin, rows, seq_len, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INVERSE: tl.constexpr):
-    """Rotate the block x (rows `rows` of a sequence) by RoPE, in float32.
-
-    INVERSE applies the transpose of the rotation, x * cos - rotate_half(x) * sin: it takes a gradient with
-    respect to a rotated row back to the unrotated row (valid because cos and sin repeat across the halves).
-    """
-    cos = _load_rows(Cos, rows, HEAD_DIM, seq_len, HEAD_DIM)
-    sin = _load_rows(Sin, rows, HEAD_DIM, seq_len, HEAD_DIM)
-    if INVERSE:
-        sin = -sin
-    x = x.to(tl.float32)
-    return x * cos + _rotate_half(x, BLOCK, HEAD_DIM) * sin
-
-
-@triton.jit
-def _load_q_or_k(base, row_stride, Cos, Sin, rows, seq_len, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 ROPE: tl.constexpr):
-    """Load a block of q or k, rotated by RoPE when ROPE is set, in the input dtype (what tl.dot consumes).
-
-    rotate_half(x) is read from memory rather than built in registers: the same rows are loaded a second time
-    with their column halves swapped (a cache hit), and the sign of the first half is folded into sin. The
-    forward kernel's loop rotates every k block it visits, so this load must be cheap; a register shuffle
-    (_rotate_half) costs more there. Results rotated once per program (dq, dk) use the shuffle.
-    """
-    x = _load_rows(base, rows, row_stride, seq_len, HEAD_DIM)
-    if ROPE:  # a constexpr: without RoPE this branch is not even compiled
-        half: tl.constexpr = HEAD_DIM // 2
-        cols = tl.arange(0, HEAD_DIM)
-        swapped = tl.load(base + rows[:, None] * row_stride + ((cols + half) % HEAD_DIM)[None, :],
-                          mask=rows[:, None] < seq_len, other=0.0)
-        cos = _load_rows(Cos, rows, HEAD_DIM, seq_len, HEAD_DIM)
-        sin = _load_rows(Sin, rows, HEAD_DIM, seq_len, HEAD_DIM)
-        signed_sin = tl.where((cols < half)[None, :], -sin, sin)
-        x = (x.to(tl.float32) * cos + swapped.to(tl.float32) * signed_sin).to(base.dtype.element_ty)
-    return x
-
-
-@triton.jit
 def _visible(rows, cols, seq_len, CAUSAL: tl.constexpr):
     """[len(rows), len(cols)] mask of the keys each query may attend to: real keys, and with CAUSAL only the
     keys at or before the query's own position."""
@@ -211,12 +143,12 @@ def _key_blocks_of_query_block(block_m, seq_len, BLOCK_M: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _attend_to_key_block(q, m, l, acc, K, V, Cos, Sin, rows, key_start, seq_len, sm_scale, row_stride,
+def _attend_to_key_block(q, m, l, acc, K, V, rows, key_start, seq_len, sm_scale, row_stride,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                         CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One step of the online softmax: fold the keys [key_start, key_start + BLOCK_N) into (m, l, acc)."""
     cols = key_start + tl.arange(0, BLOCK_N)
-    k = _load_q_or_k(K, row_stride, Cos, Sin, cols, seq_len, BLOCK_N, HEAD_DIM, ROPE)
+    k = _load_rows(K, cols, row_stride, seq_len, HEAD_DIM)
     v = _load_rows(V, cols, row_stride, seq_len, HEAD_DIM)
 
     # In base 2 (see _LOG2E): scores2 = score * log2(e), and exp2(scores2 - m) = exp(score - m * ln 2).
@@ -237,17 +169,14 @@ def _attend_to_key_block(q, m, l, acc, K, V, Cos, Sin, rows, key_start, seq_len,
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _flash_attention_forward_kernel(
-    Q, K, V, Out, Lse, Cos, Sin, QRot, KRot, VCopy,
+    Q, K, V, Out, Lse,
     seq_len, num_heads, sm_scale,
     qkv_batch_stride, qkv_head_stride, qkv_row_stride, out_batch_stride, out_head_stride, out_row_stride,
     k_offset, v_offset,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, ROPE: tl.constexpr, COPY_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one (batch, head). Grid: (cdiv(S, BLOCK_M), B * H).
-
-    With ROPE it also writes, for the backward pass, the rotated q and k rows of its positions into QRot and
-    KRot and, with COPY_V, the v rows into VCopy (all three laid out like q, k, v)."""
+    """One program: BLOCK_M query rows of one (batch, head). Grid: (cdiv(S, BLOCK_M), B * H)."""
     block_m = tl.program_id(0)
     batch_head = tl.program_id(1)
     qkv_start = _head_start(batch_head, num_heads, qkv_batch_stride, qkv_head_stride)
@@ -258,14 +187,7 @@ def _flash_attention_forward_kernel(
     Lse += batch_head.to(tl.int64) * seq_len
 
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = _load_q_or_k(Q, qkv_row_stride, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, ROPE)
-    if ROPE:  # keep what this program rotates once for the backward, which then needs no RoPE in its loops
-        _store_rows(QRot + qkv_start, rows, qkv_row_stride, seq_len, q, HEAD_DIM)
-        k_rows = _load_q_or_k(K, qkv_row_stride, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, ROPE)
-        _store_rows(KRot + qkv_start + k_offset, rows, qkv_row_stride, seq_len, k_rows, HEAD_DIM)
-        if COPY_V:
-            v_rows = _load_rows(V, rows, qkv_row_stride, seq_len, HEAD_DIM)
-            _store_rows(VCopy + qkv_start + v_offset, rows, qkv_row_stride, seq_len, v_rows, HEAD_DIM)
+    q = _load_rows(Q, rows, qkv_row_stride, seq_len, HEAD_DIM)
 
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -278,11 +200,11 @@ def _flash_attention_forward_kernel(
     # exp(m - m_new) is never exp(-inf + inf) = NaN.
     full_end, key_end = _key_blocks_of_query_block(block_m, seq_len, BLOCK_M, BLOCK_N, CAUSAL)
     for key_start in range(0, full_end, BLOCK_N):
-        m, l, acc = _attend_to_key_block(q, m, l, acc, K, V, Cos, Sin, rows, key_start, seq_len, sm_scale,
-                                         qkv_row_stride, HEAD_DIM, BLOCK_N, False, CAUSAL, ROPE, DOT_PRECISION)
+        m, l, acc = _attend_to_key_block(q, m, l, acc, K, V, rows, key_start, seq_len, sm_scale,
+                                         qkv_row_stride, HEAD_DIM, BLOCK_N, False, CAUSAL, DOT_PRECISION)
     for key_start in range(full_end, key_end, BLOCK_N):
-        m, l, acc = _attend_to_key_block(q, m, l, acc, K, V, Cos, Sin, rows, key_start, seq_len, sm_scale,
-                                         qkv_row_stride, HEAD_DIM, BLOCK_N, True, CAUSAL, ROPE, DOT_PRECISION)
+        m, l, acc = _attend_to_key_block(q, m, l, acc, K, V, rows, key_start, seq_len, sm_scale,
+                                         qkv_row_stride, HEAD_DIM, BLOCK_N, True, CAUSAL, DOT_PRECISION)
 
     _store_rows(Out, rows, out_row_stride, seq_len, acc / l[:, None], HEAD_DIM)
     # m and log2(l) are in base 2; lse is stored as a natural logarithm, like everyone else's.
@@ -350,17 +272,15 @@ def _dkdv_from_query_block(k, v, dk, dv, Q, dOut, Lse, Delta, cols, row_start, s
 
 @triton.jit
 def _flash_attention_backward_dkdv_kernel(
-    Q, K, V, dOut, Lse, Delta, dK, dV, Cos, Sin,
+    Q, K, V, dOut, Lse, Delta, dK, dV,
     seq_len, num_heads, sm_scale,
     qkv_batch_stride, qkv_head_stride, qkv_row_stride, out_batch_stride, out_head_stride, out_row_stride,
     k_offset, v_offset,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: dk and dv for BLOCK_N keys of one (batch, head), looping over query blocks.
-
-    Q and K are read as the forward pass scored them (with RoPE: the rotated copies it saved); ROPE only
-    rotates dk back to the unrotated keys before it is stored. Grid: (cdiv(S, BLOCK_N), B * H).
+    Grid: (cdiv(S, BLOCK_N), B * H).
     """
     block_n = tl.program_id(0)
     batch_head = tl.program_id(1)
@@ -398,8 +318,6 @@ def _flash_attention_backward_dkdv_kernel(
                                         qkv_row_stride, out_row_stride, HEAD_DIM, BLOCK_M, False, DOT_PRECISION)
 
     dk = dk * sm_scale
-    if ROPE:  # dk is the gradient for the rotated keys: rotate it back
-        dk = _rope(dk, Cos, Sin, cols, seq_len, BLOCK_N, HEAD_DIM, True)
     _store_rows(dK, cols, qkv_row_stride, seq_len, dk, HEAD_DIM)
     _store_rows(dV, cols, qkv_row_stride, seq_len, dv, HEAD_DIM)
 
@@ -421,12 +339,12 @@ def _dq_from_key_block(q, do, lse2, delta, dq, K, V, rows, key_start, seq_len, s
 
 @triton.jit
 def _flash_attention_backward_dq_kernel(
-    Q, K, V, Out, dOut, Lse, Delta, dQ, Cos, Sin,
+    Q, K, V, Out, dOut, Lse, Delta, dQ,
     seq_len, num_heads, sm_scale,
     qkv_batch_stride, qkv_head_stride, qkv_row_stride, out_batch_stride, out_head_stride, out_row_stride,
     k_offset, v_offset,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: dq for BLOCK_M queries of one (batch, head), looping over key blocks. Runs BEFORE the
     dk/dv kernel, and also writes delta = rowsum(dO * O) of its rows for it.
@@ -434,7 +352,6 @@ def _flash_attention_backward_dq_kernel(
     delta_i = sum_j p_ij dp_ij is the term the softmax backward subtracts. Computed from O and dO it is one
     product per row instead of a reduction over all keys; this program has dO of its rows in registers
     anyway, so it costs one extra read of O's rows, and no launch of its own.
-    Q and K as in the dk/dv kernel: already rotated with RoPE; ROPE rotates dq back before it is stored.
     Grid: (cdiv(S, BLOCK_M), B * H).
     """
     block_m = tl.program_id(0)
@@ -467,8 +384,6 @@ def _flash_attention_backward_dq_kernel(
                                 HEAD_DIM, BLOCK_N, True, CAUSAL, DOT_PRECISION)
 
     dq = dq * sm_scale
-    if ROPE:  # dq is the gradient for the rotated queries: rotate it back
-        dq = _rope(dq, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, True)
     _store_rows(dQ, rows, qkv_row_stride, seq_len, dq, HEAD_DIM)
 
 
@@ -548,7 +463,7 @@ def shape_problem(batch_heads: int, seq_len: int, head_dim: int, row_stride: int
     return None
 
 
-def _check_problem(dtype: torch.dtype, batch_heads: int, seq_len: int, head_dim: int, row_stride: int, rope,
+def _check_problem(dtype: torch.dtype, batch_heads: int, seq_len: int, head_dim: int, row_stride: int,
                    shape) -> None:
     """Checks shared by both entry points, once the layout has given B*H, S, Dh and the largest row stride."""
     if dtype not in SUPPORTED_DTYPES:
@@ -558,18 +473,12 @@ def _check_problem(dtype: torch.dtype, batch_heads: int, seq_len: int, head_dim:
     problem = shape_problem(batch_heads, seq_len, head_dim, row_stride)
     if problem:
         raise ValueError(f"input {tuple(shape)}: {problem}")
-    if rope is not None:
-        cos, sin = rope
-        for name, table in (("cos", cos), ("sin", sin)):
-            if table.dim() != 2 or table.shape[0] < seq_len or table.shape[1] != head_dim:
-                raise ValueError(f"rope {name} table must be [>= S, Dh] = [>= {seq_len}, {head_dim}]; "
-                                 f"got {tuple(table.shape)}")
     if dtype == torch.bfloat16 and interpreter_active():
         raise RuntimeError("flash_attention: Triton's CPU interpreter computes tl.dot on bfloat16 wrongly, so "
                            "bfloat16 is refused without a GPU; use float32 or float16 here, bfloat16 on a GPU.")
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"q, k, v must all be [B, H, S, Dh]; got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -579,17 +488,17 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope) -> No
     if not (q.device == k.device == v.device):
         raise ValueError("q, k, v must be on one device")
     batch, heads, seq_len, head_dim = q.shape
-    _check_problem(q.dtype, batch * heads, seq_len, head_dim, head_dim, rope, q.shape)
+    _check_problem(q.dtype, batch * heads, seq_len, head_dim, head_dim, q.shape)
 
 
-def _check_packed_input(qkv: torch.Tensor, num_heads: int, rope) -> None:
+def _check_packed_input(qkv: torch.Tensor, num_heads: int) -> None:
     if not isinstance(num_heads, int) or num_heads < 1:
         raise ValueError(f"num_heads must be a positive int; got {num_heads!r}")
     if qkv.dim() != 3 or qkv.shape[-1] % (3 * num_heads) != 0:
         raise ValueError(f"qkv must be [B, S, 3 * num_heads * Dh] with num_heads = {num_heads}; "
                          f"got {tuple(qkv.shape)}")
     batch, seq_len, width = qkv.shape
-    _check_problem(qkv.dtype, batch * num_heads, seq_len, width // (3 * num_heads), width, rope, qkv.shape)
+    _check_problem(qkv.dtype, batch * num_heads, seq_len, width // (3 * num_heads), width, qkv.shape)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -610,7 +519,7 @@ class _Problem:
     causal: bool
     sm_scale: float
     precision: str       # tl.dot's input_precision
-    k_offset: int = 0    # packed layout: k (dk, the rotated k) starts D elements after q's pointer ...
+    k_offset: int = 0    # packed layout: k (and dk) starts D elements after q's pointer ...
     v_offset: int = 0    # ... and v 2D after it; 0 for separate q, k, v tensors
 
     def scalar_args(self) -> tuple:
@@ -619,48 +528,26 @@ class _Problem:
                 self.v_offset)
 
 
-def _rope_tables(cos, sin, seq_len: int, device: torch.device):
-    """The first S rows of the RoPE tables as contiguous float32 on the inputs' device; (None, None) without."""
-    if cos is None:
-        return None, None
-    return tuple(table[:seq_len].to(device=device, dtype=torch.float32).contiguous() for table in (cos, sin))
-
-
-def _run_forward(problem: _Problem, q, k, v, out, cos, sin, rotated=None) -> torch.Tensor:
+def _run_forward(problem: _Problem, q, k, v, out) -> torch.Tensor:
     """Fill out from q, k, v, laid out as `problem` says: element (0, 0, 0, 0) of q is q's first element, those of
     k and v lie problem.k_offset and problem.v_offset elements after the first element of k and v (the packed
     layout passes qkv itself three times; separate tensors use offsets 0). Returns lse: [B*H, S] float32.
-
-    With RoPE (cos given), `rotated` = (q_rot, k_rot, v_copy) laid out like q, k, v: the kernel fills q_rot and
-    k_rot with the rotated q and k, and v_copy (unless it is None) with v, for the backward pass.
     """
-    rope = cos is not None
-    if rope and rotated is None:
-        raise ValueError("_run_forward with RoPE needs rotated=(q_rot, k_rot, v_copy or None) to write into")
     lse = _new_buffer((problem.batch * problem.heads, problem.seq_len), torch.float32, q.device)
-    q_rot, k_rot, v_copy = rotated if rope else (q, q, None)   # placeholders: never touched without RoPE
     config = _launch_config(problem.head_dim, q.dtype, problem.seq_len, "forward")
     grid = (triton.cdiv(problem.seq_len, config["BLOCK_M"]), problem.batch * problem.heads)
     _flash_attention_forward_kernel[grid](
-        q, k, v, out, lse,
-        cos if rope else q, sin if rope else q,  # placeholders: never read without RoPE
-        q_rot, k_rot, q if v_copy is None else v_copy,
-        *problem.scalar_args(),
-        HEAD_DIM=problem.head_dim, CAUSAL=problem.causal, ROPE=rope, COPY_V=v_copy is not None,
-        DOT_PRECISION=problem.precision, **config,
+        q, k, v, out, lse, *problem.scalar_args(),
+        HEAD_DIM=problem.head_dim, CAUSAL=problem.causal, DOT_PRECISION=problem.precision, **config,
     )
     return lse
 
 
-def _run_backward(problem: _Problem, q, k, v, out, lse, cos, sin, grad_out, dq, dk, dv) -> None:
-    """Fill dq, dk, dv (laid out like q, k, v) from the saved forward tensors and grad_out (laid out like out).
-
-    q and k as the forward pass scored them: with RoPE (cos given) the rotated copies it wrote; dq and dk come
-    out with respect to the unrotated inputs."""
+def _run_backward(problem: _Problem, q, k, v, out, lse, grad_out, dq, dk, dv) -> None:
+    """Fill dq, dk, dv (laid out like q, k, v) from the saved forward tensors and grad_out (laid out like out)."""
     batch_heads, seq_len = problem.batch * problem.heads, problem.seq_len
-    rope = cos is not None
     with _masked_lanes_may_overflow():
-        _launch_backward(problem, q, k, v, out, lse, cos, sin, grad_out, dq, dk, dv, batch_heads, seq_len, rope)
+        _launch_backward(problem, q, k, v, out, lse, grad_out, dq, dk, dv, batch_heads, seq_len)
 
 
 def _masked_lanes_may_overflow():
@@ -676,19 +563,18 @@ def _masked_lanes_may_overflow():
     return np.errstate(over="ignore")
 
 
-def _launch_backward(problem: _Problem, q, k, v, out, lse, cos, sin, grad_out, dq, dk, dv, batch_heads: int,
-                     seq_len: int, rope: bool) -> None:
+def _launch_backward(problem: _Problem, q, k, v, out, lse, grad_out, dq, dk, dv, batch_heads: int,
+                     seq_len: int) -> None:
     # The dq kernel runs first: it also writes delta = rowsum(dO * O), which the dk/dv kernel reads.
     delta = _new_buffer((batch_heads, seq_len), torch.float32, q.device)
-    common = dict(HEAD_DIM=problem.head_dim, CAUSAL=problem.causal, ROPE=rope, DOT_PRECISION=problem.precision)
-    cos_arg, sin_arg = (cos, sin) if rope else (q, q)
+    common = dict(HEAD_DIM=problem.head_dim, CAUSAL=problem.causal, DOT_PRECISION=problem.precision)
     config = _launch_config(problem.head_dim, q.dtype, seq_len, "dq")
     _flash_attention_backward_dq_kernel[(triton.cdiv(seq_len, config["BLOCK_M"]), batch_heads)](
-        q, k, v, out, grad_out, lse, delta, dq, cos_arg, sin_arg, *problem.scalar_args(), **common, **config,
+        q, k, v, out, grad_out, lse, delta, dq, *problem.scalar_args(), **common, **config,
     )
     config = _launch_config(problem.head_dim, q.dtype, seq_len, "dkdv")
     _flash_attention_backward_dkdv_kernel[(triton.cdiv(seq_len, config["BLOCK_N"]), batch_heads)](
-        q, k, v, grad_out, lse, delta, dk, dv, cos_arg, sin_arg, *problem.scalar_args(), **common, **config,
+        q, k, v, grad_out, lse, delta, dk, dv, *problem.scalar_args(), **common, **config,
     )
 
 
@@ -705,12 +591,12 @@ def _packed_problem(qkv: torch.Tensor, num_heads: int, causal: bool, sm_scale: f
                     k_offset=dim, v_offset=2 * dim)
 
 
-def _packed_backward(problem: _Problem, qkv, out, lse, cos, sin, grad_out) -> torch.Tensor:
-    """grad_qkv [B, S, 3D] from the packed forward's saved tensors (qkv with q and k as they were scored)."""
+def _packed_backward(problem: _Problem, qkv, out, lse, grad_out) -> torch.Tensor:
+    """grad_qkv [B, S, 3D] from the packed forward's saved tensors."""
     grad_out = grad_out.contiguous()  # as in FlashAttentionFunction: read with out's strides
     grad_qkv = _new_buffer(qkv.shape, qkv.dtype, qkv.device)
     # The kernels write dq, dk, dv straight into the three column blocks of grad_qkv (offsets as forward).
-    _run_backward(problem, qkv, qkv, qkv, out, lse, cos, sin, grad_out, grad_qkv, grad_qkv, grad_qkv)
+    _run_backward(problem, qkv, qkv, qkv, out, lse, grad_out, grad_qkv, grad_qkv, grad_qkv)
     return grad_qkv
 
 
@@ -722,7 +608,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     writes delta, then dk/dv)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, sm_scale: float, cos, sin, precise_fp32: bool):
+    def forward(ctx, q, k, v, causal: bool, sm_scale: float, precise_fp32: bool):
         batch, heads, seq_len, head_dim = q.shape
         # Contiguous [B, H, S, Dh]: one set of strides for every operand. Other views, such as a transpose of
         # [B, S, H, Dh], are copied once here; contiguous() costs nothing for a tensor that already is.
@@ -730,29 +616,23 @@ class FlashAttentionFunction(torch.autograd.Function):
         strides = (heads * seq_len * head_dim, seq_len * head_dim, head_dim)
         problem = _Problem(batch, heads, seq_len, head_dim, qkv_strides=strides, out_strides=strides,
                            causal=causal, sm_scale=sm_scale, precision=_dot_precision(q.dtype, precise_fp32))
-        cos, sin = _rope_tables(cos, sin, seq_len, q.device)
 
         out = _new_buffer(q.shape, q.dtype, q.device)
-        if cos is None:
-            lse = _run_forward(problem, q, k, v, out, cos, sin)
-        else:  # the backward reads the rotated q and k the forward writes (v is saved as it is)
-            q_rot, k_rot = _new_buffer(q.shape, q.dtype, q.device), _new_buffer(k.shape, k.dtype, k.device)
-            lse = _run_forward(problem, q, k, v, out, cos, sin, rotated=(q_rot, k_rot, None))
-            q, k = q_rot, k_rot
-        ctx.save_for_backward(q, k, v, out, lse, cos, sin)
+        lse = _run_forward(problem, q, k, v, out)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, cos, sin = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         # The incoming gradient can be a broadcast view (e.g. from out.sum()) with zero strides; the kernels
         # read it with out's strides.
         grad_out = grad_out.contiguous()
         dq, dk, dv = (_new_buffer(t.shape, t.dtype, t.device) for t in (q, k, v))
-        _run_backward(ctx.problem, q, k, v, out, lse, cos, sin, grad_out, dq, dk, dv)
-        # One gradient per forward input: q, k, v, then none for causal, sm_scale, cos, sin, precise_fp32.
-        return dq, dk, dv, None, None, None, None, None
+        _run_backward(ctx.problem, q, k, v, out, lse, grad_out, dq, dk, dv)
+        # One gradient per forward input: q, k, v, then none for causal, sm_scale, precise_fp32.
+        return dq, dk, dv, None, None, None
 
 
 class FlashAttentionPackedFunction(torch.autograd.Function):
@@ -760,111 +640,59 @@ class FlashAttentionPackedFunction(torch.autograd.Function):
     and the backward writes dq, dk, dv side by side into one [B, S, 3D] gradient of qkv. No copies either way."""
 
     @staticmethod
-    def forward(ctx, qkv, num_heads: int, causal: bool, sm_scale: float, cos, sin, precise_fp32: bool):
+    def forward(ctx, qkv, num_heads: int, causal: bool, sm_scale: float, precise_fp32: bool):
         qkv = qkv.contiguous()  # a projection's output already is: then this costs nothing
         batch, seq_len, width = qkv.shape
         problem = _packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32)
-        cos, sin = _rope_tables(cos, sin, seq_len, qkv.device)
 
         out = _new_buffer((batch, seq_len, width // 3), qkv.dtype, qkv.device)
         # q, k and v are all qkv: the problem's k_offset and v_offset say where k and v start.
-        if cos is None:
-            lse = _run_forward(problem, qkv, qkv, qkv, out, cos, sin)
-        else:  # the kernel also writes [rotated q | rotated k | v] into a buffer like qkv: the backward's input
-            qkv_rotated = _new_buffer(qkv.shape, qkv.dtype, qkv.device)
-            lse = _run_forward(problem, qkv, qkv, qkv, out, cos, sin,
-                               rotated=(qkv_rotated, qkv_rotated, qkv_rotated))
-            qkv = qkv_rotated
-        ctx.save_for_backward(qkv, out, lse, cos, sin)
+        lse = _run_forward(problem, qkv, qkv, qkv, out)
+        ctx.save_for_backward(qkv, out, lse)
         ctx.problem = problem
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        qkv, out, lse, cos, sin = ctx.saved_tensors
-        grad_qkv = _packed_backward(ctx.problem, qkv, out, lse, cos, sin, grad_out)
-        # One gradient per forward input: qkv, then none for num_heads, causal, sm_scale, cos, sin, precise_fp32.
-        return grad_qkv, None, None, None, None, None, None
+        qkv, out, lse = ctx.saved_tensors
+        grad_qkv = _packed_backward(ctx.problem, qkv, out, lse, grad_out)
+        # One gradient per forward input: qkv, then none for num_heads, causal, sm_scale, precise_fp32.
+        return grad_qkv, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Public functions
 # ----------------------------------------------------------------------------------------------------------
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    sm_scale: float | None = None, rope=None, precise_fp32: bool = False) -> torch.Tensor:
+                    sm_scale: float | None = None, precise_fp32: bool = False) -> torch.Tensor:
     """softmax(q k^T * sm_scale + causal mask) v without building the S x S matrix; differentiable.
 
     q, k, v: [B, H, S, Dh], one dtype among float32 / float16 / bfloat16, Dh in {16, 32, 64, 128}, any S >= 1.
     sm_scale: defaults to 1 / sqrt(Dh).
-    rope: None, or (cos, sin) float32 tables [>= S, Dh] (rotate-half convention, halves equal): q and k are
-        then given unrotated, rotated inside the kernels, and their gradients are for the unrotated inputs.
     precise_fp32: for float32 inputs on NVIDIA, use exact float32 matmuls instead of tf32 tensor cores.
     Returns out: [B, H, S, Dh] in the input dtype.
     """
-    _check_inputs(q, k, v, rope)
+    _check_inputs(q, k, v)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    cos, sin = rope if rope is not None else (None, None)
-    return FlashAttentionFunction.apply(q, k, v, causal, float(sm_scale), cos, sin, precise_fp32)
+    return FlashAttentionFunction.apply(q, k, v, causal, float(sm_scale), precise_fp32)
 
 
 def flash_attention_packed(qkv: torch.Tensor, num_heads: int, causal: bool = True, sm_scale: float | None = None,
-                           rope=None, precise_fp32: bool = False) -> torch.Tensor:
+                           precise_fp32: bool = False) -> torch.Tensor:
     """flash_attention on the output of a fused QKV projection, returning the input of the output projection.
 
     qkv: [B, S, 3 * D] with D = num_heads * Dh: per token the q heads, then the k heads, then the v heads
         (head h of q in columns h*Dh : (h+1)*Dh, of k from D + h*Dh, of v from 2D + h*Dh), i.e. x @ W^T for
         W = the q, k and v projection matrices stacked. Non-contiguous input is copied once.
     Returns out: [B, S, D] contiguous, head h in columns h*Dh : (h+1)*Dh. The gradient of qkv comes back as one
-    [B, S, 3 * D] tensor. causal, sm_scale, rope, precise_fp32, dtypes and head dims: as for flash_attention.
+    [B, S, 3 * D] tensor. causal, sm_scale, precise_fp32, dtypes and head dims: as for flash_attention.
     The same as, without the two copies (and their two backward copies),
         q, k, v = qkv.view(B, S, 3, H, Dh).permute(2, 0, 3, 1, 4)
         flash_attention(q, k, v, ...).transpose(1, 2).reshape(B, S, D)
     """
-    _check_packed_input(qkv, num_heads, rope)
+    _check_packed_input(qkv, num_heads)
     head_dim = qkv.shape[-1] // (3 * num_heads)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    cos, sin = rope if rope is not None else (None, None)
-    return FlashAttentionPackedFunction.apply(qkv, num_heads, causal, float(sm_scale), cos, sin, precise_fp32)
-
-
-def _checked_packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32, rope):
-    """(contiguous qkv, its _Problem) for the two functions below, after the checks flash_attention_packed makes;
-    sm_scale None means 1 / sqrt(Dh)."""
-    _check_packed_input(qkv, num_heads, rope)
-    qkv = qkv.contiguous()
-    head_dim = qkv.shape[-1] // (3 * num_heads)
-    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    return qkv, _packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32)
-
-
-def packed_attention_forward(qkv: torch.Tensor, num_heads: int, causal: bool = True,
-                             sm_scale: float | None = None, precise_fp32: bool = False):
-    """The packed layout's forward kernel without autograd: (out [B, S, D], lse [B*H, S] float32).
-
-    For a caller that wraps its own autograd Function around attention and something before it: version 4's
-    QKV GEMM rotates q and k in its epilogue, so qkv arrives with q and k already rotated, and its Function
-    calls this, then packed_attention_backward with the RoPE tables. Arguments as for flash_attention_packed
-    (no rope: the forward kernel runs without RoPE).
-    """
-    qkv, problem = _checked_packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32, rope=None)
-    batch, seq_len, width = qkv.shape
-    out = _new_buffer((batch, seq_len, width // 3), qkv.dtype, qkv.device)
-    lse = _run_forward(problem, qkv, qkv, qkv, out, None, None)
-    return out, lse
-
-
-def packed_attention_backward(qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
-                              num_heads: int, causal: bool = True, sm_scale: float | None = None,
-                              precise_fp32: bool = False, rope=None) -> torch.Tensor:
-    """grad_qkv [B, S, 3D] for packed_attention_forward's (out, lse) on the same qkv and options.
-
-    rope=(cos, sin): q and k in qkv are RoPE-rotated by these tables, and dq, dk are rotated back before they
-    are stored, so grad_qkv is the gradient with respect to the unrotated q and k (what the GEMM that produced
-    them needs). Without rope it is the gradient with respect to qkv itself.
-    """
-    qkv, problem = _checked_packed_problem(qkv, num_heads, causal, sm_scale, precise_fp32, rope)
-    cos, sin = rope if rope is not None else (None, None)
-    cos, sin = _rope_tables(cos, sin, qkv.shape[1], qkv.device)
-    return _packed_backward(problem, qkv, out, lse, cos, sin, grad_out)
+    return FlashAttentionPackedFunction.apply(qkv, num_heads, causal, float(sm_scale), precise_fp32)

@@ -28,7 +28,7 @@ Addresses and graph capture. Gradients are new tensors at every eager step, so t
 it was captured with: the gradients the graph allocates during capture must be in it, but a copy from pageable
 host memory cannot be captured (one from pinned memory could, and would then run at every replay). So under
 capture `step()` only records the new addresses, and the caller writes them after the capture with
-`finish_capture()` (tiny_llama_v4.GraphedStep does). The graph's gradients keep their addresses at every replay,
+`finish_capture()` (graphed_step.GraphedStep does). The graph's gradients keep their addresses at every replay,
 so the table stays right.
 
 State, learning rate, checkpoints: the state of each parameter is torch's (`step`, `exp_avg`, `exp_avg_sq`;
@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from tinytransformer.triton_support import interpreter_active, small_interpreter_blocks
-from version4_triton_ultra.kernels.add_rmsnorm import _is_last_to_arrive
+from version4_triton_ultra.kernels.add_rmsnorm import is_last_to_arrive
 
 # Elements per program, and warps: 4 elements per thread on NVIDIA (32-thread warps), 2 on AMD CDNA (64-thread
 # wavefronts; not tuned there). On an H100, for version 4's 3.1 M parameters, 36.7 us
@@ -110,7 +110,7 @@ def _adamw_kernel(
     # finish does it (torch's AdamW launches a separate kernel for this). With an atomic add, which one thread
     # of the program performs: a load and a store would be run by every thread, and a thread that loads after
     # another one's store would count the step twice.
-    if _is_last_to_arrive(ticket_ptr, n_programs):
+    if is_last_to_arrive(ticket_ptr, n_programs):
         for t in range(0, n_tensors):
             counter_ptr = tl.load(addresses_ptr + 4 * n_tensors + t).to(tl.pointer_type(tl.float32))
             tl.atomic_add(counter_ptr, 1.0, sem="relaxed")
@@ -155,7 +155,7 @@ class TritonAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step_groups(self, indices) -> None:
         """Update the parameter groups with these indices only (one launch each): a training step may update
-        the weights whose gradients are complete before the backward pass has ended (tiny_llama_v4.GraphedStep)."""
+        the weights whose gradients are complete before the backward pass has ended (graphed_step.GraphedStep)."""
         for index in indices:
             group = self.param_groups[index]
             params = [p for p in group["params"] if p.grad is not None]

@@ -181,12 +181,12 @@ def _add_rms_norm_backward_kernel(
     group = program // PROGRAMS_PER_GROUP
     first_in_group = group * PROGRAMS_PER_GROUP
     group_programs = tl.minimum(n_programs - first_in_group, PROGRAMS_PER_GROUP)
-    if _is_last_to_arrive(ticket_ptr + group, group_programs):
+    if is_last_to_arrive(ticket_ptr + group, group_programs):
         if TWO_LEVELS:
             _sum_columns(partial_grad_weight_ptr, n_programs, first_in_group, group_programs,
                          group_sum_ptr + group, n_groups, n_features, BLOCK_D, BLOCK_P, L2_LOAD)
             # Level 2: the last group-summing program to finish adds the groups' sums.
-            if _is_last_to_arrive(ticket_ptr + n_groups, n_groups):
+            if is_last_to_arrive(ticket_ptr + n_groups, n_groups):
                 _sum_columns(group_sum_ptr, n_groups, 0, n_groups, grad_weight_ptr, 1, n_features, BLOCK_D,
                              BLOCK_P, L2_LOAD)
         else:
@@ -195,7 +195,7 @@ def _add_rms_norm_backward_kernel(
 
 
 @triton.jit
-def _is_last_to_arrive(ticket_ptr, n_arrivals):
+def is_last_to_arrive(ticket_ptr, n_arrivals):
     """True for the program that takes the last of n_arrivals tickets; that program resets the counter to 0,
     ready for the next launch. The counters are shared by every launch on the device, so two backward launches
     must never run at the same time: all of them run on the main stream, one after another.

@@ -1,11 +1,12 @@
 """The fused QKV projection with RoPE in its epilogue: q and k leave the GEMM already rotated.
 
 Attention needs q and k rotated by RoPE. Rotating them as the attention kernel loads them (version 4's first
-way, `flash_attention_packed(..., rope=...)`) costs more than it looks: the forward kernel loads every key
-block once per query block that visits it, so a k row is rotated up to S / BLOCK_M times over, and the kernel
-has to write the rotated q and k (and a copy of v) for the backward pass. The GEMM that produces q and k is a
-better place: there every element of q and k is rotated exactly once, while the tile is still in registers
-(the epilogue), and the one [N, 3D] output is at once what attention reads and what its backward reads.
+way, `flash_attention_packed(..., rope=...)` in flash_attention.py) costs more than it looks: the forward
+kernel loads every key block once per query block that visits it, so a k row is rotated up to S / BLOCK_M
+times over, and the kernel has to write the rotated q and k (and a copy of v) for the backward pass. The
+GEMM that produces q and k is a better place: there every element of q and k is rotated exactly once, while the
+tile is still in registers (the epilogue), and the one [N, 3D] output is at once what attention reads and what
+its backward reads.
 
     qkv_rope(x, W_qkv, cos, sin, S, Dh)      qkv = x @ W_qkv^T, [N, 3D], columns [q heads | k heads | v heads];
                                              then, in the same program, every q and k head rotated:
@@ -29,10 +30,10 @@ import triton.language as tl
 
 from tinytransformer.triton_support import (interpreter_active, interpreter_block, is_rocm, shared_memory_per_program,
                                             small_interpreter_blocks)
-from version3_triton.kernels.flash_attention import _rotate_half
+# The head dims are the attention kernels' (this GEMM's output is their input), and rotate_half is the one
+# the attention backward rotates dq and dk back with: one definition of each in version 4.
+from version4_triton_ultra.kernels.flash_attention import SUPPORTED_HEAD_DIMS, rotate_half
 from version4_triton_ultra.kernels.swiglu_gemm import MAX_ROW_BLOCKS, SUPPORTED_DTYPES, dot_precision
-
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
 @triton.jit
@@ -75,7 +76,7 @@ def _qkv_rope_kernel(
         sin = tl.load(sin_ptr + table_offsets)[:, None, :]
         heads = tl.reshape(qkv.to(tl.float32), (BLOCK_M, heads_per_tile, HEAD_DIM))
         # rotate_half pairs the two halves of each head: one head per row of a [BLOCK_M * heads, HEAD_DIM] view.
-        swapped = tl.reshape(_rotate_half(tl.reshape(heads, (BLOCK_M * heads_per_tile, HEAD_DIM)),
+        swapped = tl.reshape(rotate_half(tl.reshape(heads, (BLOCK_M * heads_per_tile, HEAD_DIM)),
                                           BLOCK_M * heads_per_tile, HEAD_DIM), (BLOCK_M, heads_per_tile, HEAD_DIM))
         rotated = tl.reshape(heads * cos + swapped * sin, (BLOCK_M, BLOCK_N)).to(qkv_ptr.dtype.element_ty)
         qkv = tl.where((cols < 2 * dim)[None, :], rotated, qkv)   # a tile may end in v's first heads

@@ -6,7 +6,7 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_ROOT="$(cd "$HERE/../../.." && pwd)"
-V3_SCRIPT="$REPO_ROOT/version3_triton/tiny_llama_v3.py"
+STAGE_SCRIPT="$HERE/run_stage.py"   # version 3's command line with --stage
 V1_SCRIPT="$REPO_ROOT/version1_pytorch_baseline/tiny_llama_v1.py"
 PROFILERS="$REPO_ROOT/profilers"
 PY="${PYTHON:-python3}"   # the interpreter for every run; the profiler wrappers read the same variable
@@ -24,7 +24,7 @@ usage() {
 Usage: $SCRIPT_NAME [OPTIONS] [-- TRAINING FLAGS]
 
 For each stage N of --stages, runs
-  \${PYTHON:-python3} version3_triton/tiny_llama_v3.py --stage N TRAINING FLAGS --output-json ...
+  \${PYTHON:-python3} run_stage.py --stage N TRAINING FLAGS --output-json ...
 and keeps its log; runs version 1 once with the same flags (the "vs v1" column); then profiles each stage
 with a short run (--profile-num-steps steps) under every profiler available here:
   PyTorch profiler   always (--enable-pytorch-profiler --profile-operators)
@@ -33,7 +33,7 @@ with a short run (--profile-num-steps steps) under every profiler available here
 and prints the comparison table: loss, samples/s, speed vs v1, peak memory, key issue (also written to
 summary.md in the results directory).
 
-TRAINING FLAGS are tiny_llama_v3.py's flags (shared with version 1). Without any, the defaults are
+TRAINING FLAGS are version 3's flags (tiny_llama_v3.py's, shared with version 1). Without any, the defaults are
   on a GPU: ${GPU_DEFAULT_FLAGS[*]}
   on a CPU: ${CPU_DEFAULT_FLAGS[*]}
 Flags given after -- replace these defaults entirely.
@@ -198,7 +198,7 @@ skip_profile() { # STAGE TOOL REASON
 profile_stage() {
     local stage="$1"
     local flags=(--stage "$stage" "${TRAIN_ARGS[@]}" --num-steps "$PROFILE_NUM_STEPS")
-    profile_with "$stage" pytorch_profile "$PY" "$V3_SCRIPT" "${flags[@]}" \
+    profile_with "$stage" pytorch_profile "$PY" "$STAGE_SCRIPT" "${flags[@]}" \
         --enable-pytorch-profiler --profile-operators --profile-dir "$OUT/stage${stage}_pytorch_profile"
 
     if [[ "$VENDOR" != amd ]]; then
@@ -206,7 +206,7 @@ profile_stage() {
     elif ! have rocprofv3; then
         skip_profile "$stage" rocprofv3 "rocprofv3 not on PATH (ROCm's rocprofiler-sdk)"
     else
-        profile_with "$stage" rocprofv3 bash "$PROFILERS/run_rocprofv3.sh" --script "$V3_SCRIPT" \
+        profile_with "$stage" rocprofv3 bash "$PROFILERS/run_rocprofv3.sh" --script "$STAGE_SCRIPT" \
             --output-dir "$OUT/stage${stage}_rocprofv3" --name "stage$stage" -- "${flags[@]}"
     fi
 
@@ -217,7 +217,7 @@ profile_stage() {
         elif ! have "$tool"; then
             skip_profile "$stage" "$tool" "$tool not on PATH (Nsight, part of the CUDA toolkit)"
         else
-            profile_with "$stage" "$tool" bash "$PROFILERS/run_$tool.sh" --script "$V3_SCRIPT" \
+            profile_with "$stage" "$tool" bash "$PROFILERS/run_$tool.sh" --script "$STAGE_SCRIPT" \
                 --output-dir "$OUT/stage${stage}_$tool" --name "stage$stage" -- "${flags[@]}"
         fi
     done
@@ -227,7 +227,7 @@ if [[ "$BASELINE" == 1 ]]; then
     measure v1_baseline "$V1_SCRIPT"
 fi
 for stage in "${STAGES[@]}"; do
-    measure "stage$stage" "$V3_SCRIPT" --stage "$stage"
+    measure "stage$stage" "$STAGE_SCRIPT" --stage "$stage"
 done
 if [[ "$PROFILE" == 1 ]]; then
     echo

@@ -1,6 +1,9 @@
-"""The five stages of the version 3 performance-debugging exercise (exercises/performance_debugging/).
+"""The five stages of the version 3 performance-debugging exercise (this directory).
 
-    python tiny_llama_v3.py --stage N        N = 1 ... 5; 5 (the default) is version 3 as it is
+    python run_stage.py --stage N        N = 1 ... 5; 5 (the default) is version 3 as it is
+
+Version 3's model (../../tiny_llama_v3.py) knows nothing of this exercise: this file builds on its classes, and
+run_stage.py is version 3's command line with a --stage flag added.
 
 Stages 1-4 each plant ONE real, minimal defect into version 3; everything else is version 3 unchanged, so the
 defect is the only difference a learner has to find. Stage 5 is the fixed model.
@@ -17,9 +20,9 @@ defect is the only difference a learner has to find. Stage 5 is the fixed model.
 
 The file reads top to bottom in stage order. Each stage's Triton kernels come first, then the
 torch.autograd.Function that launches them, then the module that uses them. At the end: the functions that
-tiny_llama_v3.py's command-line hooks call, and a small command that prints a model's weight statistics:
+run_stage.py's command-line hooks call, and a small command that prints a model's weight statistics:
 
-    python stages.py weights --stage 1       (run from version3_triton/)
+    python stages.py weights --stage 1       (run from this directory)
 """
 import math
 import statistics
@@ -30,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, when run as a script
 
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
 
@@ -447,7 +450,7 @@ class NaiveMatmulFeedForward(FeedForward):
 
 
 # ==========================================================================================================
-# Building a stage: what tiny_llama_v3.py's command-line hooks call
+# Building a stage: what run_stage.py's command-line hooks call
 # ==========================================================================================================
 _STAGE_FEED_FORWARD = {2: TransposedGateUpFeedForward, 4: NaiveMatmulFeedForward}
 

@@ -1,0 +1,278 @@
+"""Version 4's add_rmsnorm kernels (kernels/add_rmsnorm.py): residual + delta and RMSNorm in one kernel (and
+delta=None: plain RMSNorm), and the embedding lookup + RMSNorm of the first layer (embedding_rms_norm).
+
+Against float64 PyTorch references, forward and every gradient, with every output buffer NaN-filled first
+(v4_kernel_checks.poisoned_outputs). On CPU the kernels run in Triton's interpreter: shapes are small; the
+full-size and bfloat16 cases are gpu-marked.
+"""
+import pytest
+import torch
+
+from tinytransformer import triton_support
+from version4_triton_ultra.kernels import add_rmsnorm as arn
+
+# poisoned_outputs: this file's autouse fixture (every allocated output starts as NaN)
+from .v4_kernel_checks import (  # noqa: F401
+    EPS, as_float64_leaf, assert_matches, leaf, poisoned_outputs, random)
+
+# The kernels' smallest blocks in Triton's interpreter (the fixture in conftest.py): small problems span several
+# blocks. A test of the blocks a CPU run gets says so.
+pytestmark = pytest.mark.usefixtures("small_interpreter_blocks")
+
+
+def reference_add_rms_norm(residual, delta, weight, eps=EPS):
+    h = residual if delta is None else residual + delta
+    return h, weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def check_add_rms_norm(shape, dtype, device, seed, with_delta=True):
+    d = shape[-1]
+    residual = leaf(random(shape, dtype, device, seed))
+    delta = leaf(random(shape, dtype, device, seed + 1, scale=0.5)) if with_delta else None
+    weight = leaf(random((d,), torch.float32, device, seed + 2, scale=0.1) + 1.0)
+    grad_new_residual = random(shape, dtype, device, seed + 3)
+    grad_normed = random(shape, dtype, device, seed + 4)
+
+    new_residual, normed = arn.add_rms_norm(residual, delta, weight, EPS)
+    assert new_residual.dtype == normed.dtype == dtype
+    torch.autograd.backward([new_residual, normed], [grad_new_residual, grad_normed])
+
+    inputs64 = [as_float64_leaf(t) if t is not None else None for t in (residual, delta, weight)]
+    h64, normed64 = reference_add_rms_norm(*inputs64)
+    torch.autograd.backward([h64, normed64], [grad_new_residual.double(), grad_normed.double()])
+
+    assert_matches(new_residual, h64, dtype, "new_residual")
+    assert_matches(normed, normed64, dtype, "normed")
+    assert_matches(residual.grad, inputs64[0].grad, dtype, "grad residual")
+    if with_delta:
+        assert_matches(delta.grad, inputs64[1].grad, dtype, "grad delta")
+    assert_matches(weight.grad, inputs64[2].grad, dtype, "grad weight")
+    return new_residual, residual
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(7, 200), (16, 64), (1, 33), (3, 1000), (2, 5, 96)])
+def test_add_rms_norm_matches_float64(shape, dtype, device, poisoned_outputs):
+    check_add_rms_norm(shape, dtype, device, seed=sum(shape))
+    assert poisoned_outputs, "the wrapper did not allocate through the poisoning hook"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_without_delta_returns_its_input(dtype, device):
+    new_residual, residual = check_add_rms_norm((9, 200), dtype, device, seed=5, with_delta=False)
+    # No copy: the stream continues with the very same storage.
+    assert new_residual.data_ptr() == residual.data_ptr()
+
+
+def test_rms_norm_entry_point(device):
+    x, w = leaf(random((6, 80), torch.float32, device, 11)), leaf(random((80,), torch.float32, device, 12))
+    normed = arn.rms_norm(x, w, EPS)
+    normed.backward(random((6, 80), torch.float32, device, 13))
+    x64, w64 = as_float64_leaf(x), as_float64_leaf(w)
+    ref = reference_add_rms_norm(x64, None, w64)[1]
+    ref.backward(random((6, 80), torch.float64, device, 13))
+    assert_matches(normed, ref, torch.float32, "normed")
+    assert_matches(x.grad, x64.grad, torch.float32, "grad x")
+    assert_matches(w.grad, w64.grad, torch.float32, "grad weight")
+
+
+@pytest.mark.parametrize("used", ["normed only", "new_residual only"])
+def test_add_rms_norm_one_output_unused(used, device):
+    """Autograd passes None for an unused output; the other path alone must give the right gradients."""
+    shape, dtype = (10, 200), torch.float32
+    residual, delta = leaf(random(shape, dtype, device, 21)), leaf(random(shape, dtype, device, 22))
+    weight = leaf(random((200,), dtype, device, 23) + 1.0)
+    grad = random(shape, dtype, device, 24)
+    inputs64 = [as_float64_leaf(t) for t in (residual, delta, weight)]
+    outputs = arn.add_rms_norm(residual, delta, weight, EPS)
+    outputs64 = reference_add_rms_norm(*inputs64)
+    index = 1 if used == "normed only" else 0
+    outputs[index].backward(grad)
+    outputs64[index].backward(grad.double())
+    assert_matches(residual.grad, inputs64[0].grad, dtype, "grad residual")
+    assert_matches(delta.grad, inputs64[1].grad, dtype, "grad delta")
+    if used == "normed only":
+        assert_matches(weight.grad, inputs64[2].grad, dtype, "grad weight")
+    else:
+        assert weight.grad is None
+
+
+def test_add_rms_norm_mixed_dtypes_follow_type_promotion(device):
+    """A float32 stream plus a float16 sub-layer output gives a float32 stream; each grad keeps its dtype."""
+    shape = (8, 128)
+    residual = leaf(random(shape, torch.float32, device, 31))
+    delta = leaf(random(shape, torch.float16, device, 32))
+    weight = leaf(random((128,), torch.float32, device, 33) + 1.0)
+    new_residual, normed = arn.add_rms_norm(residual, delta, weight, EPS)
+    assert new_residual.dtype == normed.dtype == torch.float32
+    (new_residual.sum() + (normed * normed).sum()).backward()
+    assert residual.grad.dtype == torch.float32 and delta.grad.dtype == torch.float16
+    inputs64 = [as_float64_leaf(t) for t in (residual, delta, weight)]
+    h64, normed64 = reference_add_rms_norm(*inputs64)
+    (h64.sum() + (normed64 * normed64).sum()).backward()
+    assert_matches(normed, normed64, torch.float32, "normed")
+    assert_matches(residual.grad, inputs64[0].grad, torch.float32, "grad residual")
+    assert_matches(delta.grad, inputs64[1].grad, torch.float16, "grad delta")
+    assert_matches(weight.grad, inputs64[2].grad, torch.float32, "grad weight")
+
+
+def test_add_rms_norm_weight_grad_is_deterministic(device):
+    shape = (13, 200)
+    residual, delta = random(shape, torch.float32, device, 41), random(shape, torch.float32, device, 42)
+    grads = []
+    for _ in range(2):
+        weight = leaf(random((200,), torch.float32, device, 43))
+        arn.add_rms_norm(residual, delta, weight, EPS)[1].backward(random(shape, torch.float32, device, 44))
+        grads.append(weight.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("group_size, one_group_up_to, d", [(10**6, 10**6, 96), (2, 0, 96), (3, 0, 96),
+                                                          (3, 0, 1500)],
+                         ids=["one group", "two levels, even groups", "two levels, short last group",
+                              "two levels, several passes per sum"])
+def test_add_rms_norm_weight_grad_summed_by_the_programs(group_size, one_group_up_to, d, monkeypatch, device):
+    """The partial weight gradients are added by the last program (one group), or per group of programs and then
+    across the groups (two levels); either way right, the same on every run (which only a GPU, where programs
+    finish in any order, can really test), and the counters left at zero. At D = 1500 a summing program reads
+    2 partial sums at a time, so its loop takes several passes, the last one partial."""
+    monkeypatch.setattr(arn, "GROUP_SIZE", group_size)
+    monkeypatch.setattr(arn, "ONE_GROUP_UP_TO", one_group_up_to)
+    # 4 programs in the interpreter (and 37 rows make the last one short); on a GPU, 40000 rows make a few
+    # hundred programs, so small groups give many of them.
+    rows = 40000 if device.type == "cuda" else 37
+    check_add_rms_norm((rows, d), torch.float32, device, seed=51)
+    assert not arn._ticket_counters(device).any()   # left ready for the next launch
+    shape = (rows, d)
+    residual, delta = random(shape, torch.float32, device, 52), random(shape, torch.float32, device, 53)
+    grad_normed = random(shape, torch.float32, device, 54)
+    grads = []
+    for _ in range(3):
+        weight = leaf(random((d,), torch.float32, device, 55))
+        arn.add_rms_norm(residual, delta, weight, EPS)[1].backward(grad_normed)
+        grads.append(weight.grad)
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
+
+
+# embedding_rms_norm: the lookup and the first norm in one kernel each way
+def check_embedding_rms_norm(ids_shape, vocab, d, device, seed, normed_dtype=None, used=("h", "normed")):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, ids_shape, generator=g).to(device)   # repeats: rows share table rows
+    table = leaf(random((vocab, d), torch.float32, device, seed + 1))
+    weight = leaf(random((d,), torch.float32, device, seed + 2, scale=0.1) + 1.0)
+    grads = {"h": random((*ids_shape, d), torch.float32, device, seed + 3),
+             "normed": random((*ids_shape, d), normed_dtype or torch.float32, device, seed + 4)}
+
+    h, normed = arn.embedding_rms_norm(ids, table, weight, EPS, normed_dtype=normed_dtype)
+    assert h.shape == normed.shape == (*ids_shape, d)
+    assert h.dtype == torch.float32 and normed.dtype == (normed_dtype or torch.float32)
+    outputs = {"h": h, "normed": normed}
+    torch.autograd.backward([outputs[k] for k in used], [grads[k] for k in used])
+
+    table64, weight64 = as_float64_leaf(table), as_float64_leaf(weight)
+    h64, normed64 = reference_add_rms_norm(table64[ids], None, weight64)
+    outputs64 = {"h": h64, "normed": normed64}
+    torch.autograd.backward([outputs64[k] for k in used], [grads[k].double() for k in used])
+
+    assert torch.equal(h, table.detach()[ids])   # the lookup itself is exact
+    assert_matches(normed, normed64, normed_dtype or torch.float32, "normed")
+    assert_matches(table.grad, table64.grad, torch.float32, "grad table")
+    if "normed" in used:
+        assert_matches(weight.grad, weight64.grad, torch.float32, "grad weight")
+    else:
+        assert weight.grad is None
+
+
+@pytest.mark.parametrize("ids_shape, vocab, d", [((3, 7), 11, 48), ((2, 33), 5, 200), ((1, 1), 3, 16)])
+def test_embedding_rms_norm_matches_float64(ids_shape, vocab, d, device, poisoned_outputs):
+    check_embedding_rms_norm(ids_shape, vocab, d, device, seed=vocab + d)
+
+
+@pytest.mark.parametrize("used", [("h",), ("normed",)], ids=["rows only", "normed only"])
+def test_embedding_rms_norm_with_one_output_used(used, device):
+    check_embedding_rms_norm((4, 9), 13, 64, device, seed=61, used=used)
+
+
+def test_embedding_rms_norm_of_a_16bit_table_takes_the_separate_ops(device):
+    ids = torch.tensor([[1, 0, 1]], device=device)
+    table = leaf(random((2, 32), torch.float16, device, 71))
+    weight = leaf(torch.ones(32, device=device))
+    h, normed = arn.embedding_rms_norm(ids, table, weight, EPS)
+    (h.float().sum() + normed.float().sum()).backward()
+    assert h.dtype == normed.dtype == torch.float16 and table.grad.dtype == torch.float16
+    table64, weight64 = as_float64_leaf(table), as_float64_leaf(weight)
+    h_ref, normed_ref = reference_add_rms_norm(table64[ids], None, weight64)
+    (h_ref.sum() + normed_ref.sum()).backward()
+    assert_matches(normed, normed_ref, torch.float16, "normed")
+    assert_matches(table.grad, table64.grad, torch.float16, "grad table")
+
+
+def test_embedding_rms_norm_of_no_tokens(device):
+    table = leaf(random((5, 16), torch.float32, device, 72))
+    weight = leaf(torch.ones(16, device=device))
+    h, normed = arn.embedding_rms_norm(torch.zeros(0, 3, dtype=torch.long, device=device), table, weight, EPS)
+    assert h.shape == normed.shape == (0, 3, 16)
+    (h.sum() + normed.sum()).backward()
+    assert torch.equal(table.grad, torch.zeros_like(table)) and torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_embedding_rms_norm_marks_ids_outside_the_table(device):
+    """An id outside [0, V) reads and writes nothing outside the table: its rows come out NaN (so the loss shows
+    it), the other rows and the table's gradient are right."""
+    ids = torch.tensor([[1, 5, 0, -1, 2]], device=device)   # V = 3: 5 and -1 are outside
+    good = torch.tensor([True, False, True, False, True], device=device)
+    table = leaf(random((3, 16), torch.float32, device, 73))
+    weight = leaf(random((16,), torch.float32, device, 74) + 1.0)
+    h, normed = arn.embedding_rms_norm(ids, table, weight, EPS)
+    assert torch.isnan(h[0, ~good]).all() and torch.isnan(normed[0, ~good]).all()
+    grad_normed = random((1, 5, 16), torch.float32, device, 75)
+    normed.backward(grad_normed)
+    table64, weight64 = as_float64_leaf(table), as_float64_leaf(weight)
+    normed64 = reference_add_rms_norm(table64[ids[:, good]], None, weight64)[1]
+    normed64.backward(grad_normed[:, good].double())
+    assert_matches(h[:, good], table64.detach()[ids[:, good]], torch.float32, "rows")
+    assert_matches(normed[:, good], normed64, torch.float32, "normed")
+    assert_matches(table.grad, table64.grad, torch.float32, "grad table")
+
+
+def test_embedding_rms_norm_rejects_bad_arguments(device):
+    table, weight = torch.ones(3, 8, device=device), torch.ones(8, device=device)
+    with pytest.raises(ValueError, match="integers"):
+        arn.embedding_rms_norm(torch.zeros(2, device=device), table, weight)
+    with pytest.raises(ValueError, match=r"\[V, D\]"):
+        arn.embedding_rms_norm(torch.zeros(2, dtype=torch.long, device=device), table[0], weight)
+    with pytest.raises(ValueError, match="must be"):
+        arn.embedding_rms_norm(torch.zeros(2, dtype=torch.long, device=device), table, weight[:4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("normed_dtype", [None, torch.bfloat16])
+def test_embedding_rms_norm_full_size_gpu(normed_dtype, device):
+    check_embedding_rms_norm((32, 512), 1000, 256, device, seed=81, normed_dtype=normed_dtype)
+
+
+def test_add_rms_norm_rejects_too_wide_rows(device):
+    x = torch.randn(1, arn.MAX_FEATURES + 1, device=device)
+    with pytest.raises(ValueError, match="MAX_FEATURES"):
+        arn.add_rms_norm(x, x, torch.ones(x.shape[-1], device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(2048, 4096), (1024, 8192), (333, 5000), (4, 128, 256), (32, 512, 256)])
+def test_add_rms_norm_full_size_gpu(shape, dtype, device):
+    check_add_rms_norm(shape, dtype, device, seed=len(shape) + shape[-1])
+
+
+@pytest.mark.gpu
+def test_rms_norm_without_delta_bfloat16_gpu(device):
+    check_add_rms_norm((512, 2048), torch.bfloat16, device, seed=7, with_delta=False)
+
+
+
+
+def test_add_rms_norm_with_the_blocks_of_a_cpu_run(monkeypatch, device):
+    """The norm tiles a CPU run takes in the interpreter (up to 16384 elements, all walked by one backward
+    program): a problem larger than that spans several tiles."""
+    monkeypatch.setattr(triton_support, "SMALL_INTERPRETER_BLOCKS", False)
+    check_add_rms_norm((300, 200), torch.float32, device, seed=15)

@@ -1,0 +1,66 @@
+"""Version 4's token-embedding gradient as one scatter-add kernel (kernels/embedding_backward.py).
+
+Against float64 PyTorch references, forward and every gradient, with every output buffer NaN-filled first
+(v4_kernel_checks.poisoned_outputs). On CPU the kernels run in Triton's interpreter: shapes are small; the
+full-size and bfloat16 cases are gpu-marked.
+"""
+import pytest
+import torch
+
+import torch.nn.functional as F
+
+from version4_triton_ultra.kernels import embedding_backward as emb
+
+# poisoned_outputs: this file's autouse fixture (every allocated output starts as NaN)
+from .v4_kernel_checks import (  # noqa: F401
+    assert_matches, poisoned_outputs)
+
+# The kernels' smallest blocks in Triton's interpreter (the fixture in conftest.py): small problems span several
+# blocks. A test of the blocks a CPU run gets says so.
+pytestmark = pytest.mark.usefixtures("small_interpreter_blocks")
+
+
+def check_embedding(ids_shape, vocab_size, dim, device, seed):
+    """The lookup's output and weight gradient against F.embedding in float64, on ids with many repeats."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, ids_shape, generator=generator).to(device)
+    weight64 = torch.randn(vocab_size, dim, generator=generator, dtype=torch.float64).to(device)
+    grad_out64 = torch.randn(*ids_shape, dim, generator=generator, dtype=torch.float64).to(device)
+    weight = weight64.float().requires_grad_()
+    rows = emb.embedding_lookup(ids, weight)
+    rows.backward(grad_out64.float())
+    reference = weight64.clone().requires_grad_()
+    F.embedding(ids, reference).backward(grad_out64)
+    assert_matches(rows, F.embedding(ids, weight64), torch.float32, "rows")
+    assert_matches(weight.grad, reference.grad, torch.float32, "grad weight")
+    return weight.grad
+
+
+@pytest.mark.parametrize("ids_shape, vocab_size, dim", [((2, 37), 11, 40), ((1, 5), 1000, 256), ((3, 17), 3, 8)],
+                         ids=["repeats, D not a power of two", "mostly unused rows", "every id many times"])
+def test_embedding_backward_matches_reference(ids_shape, vocab_size, dim, device):
+    grad = check_embedding(ids_shape, vocab_size, dim, device, seed=171)
+    assert grad.dtype == torch.float32
+
+
+def test_embedding_backward_rows_never_looked_up_are_zero(device):
+    ids = torch.tensor([[3, 3, 5]], device=device)
+    grad = emb.embedding_backward(ids, torch.ones(1, 3, 4, device=device), vocab_size=8)
+    assert grad[[0, 1, 2, 4, 6, 7]].eq(0).all() and grad[3].eq(2).all() and grad[5].eq(1).all()
+
+
+def test_embedding_backward_16bit_gradient_uses_index_add(device):
+    ids = torch.tensor([0, 2, 0], device=device)
+    grad = emb.embedding_backward(ids, torch.ones(3, 4, dtype=torch.float16, device=device), vocab_size=3)
+    assert grad.dtype == torch.float16 and grad[0].eq(2).all() and grad[1].eq(0).all() and grad[2].eq(1).all()
+
+
+def test_embedding_backward_rejects_mismatched_rows(device):
+    with pytest.raises(ValueError, match="3 token ids for 2 gradient rows"):
+        emb.embedding_backward(torch.zeros(3, dtype=torch.long, device=device), torch.ones(2, 4, device=device), 5)
+
+
+@pytest.mark.gpu
+def test_embedding_backward_full_size_gpu(device):
+    # batch 32 x seq 512 tokens over the seed vocabulary: ~16 additions into every row.
+    check_embedding((32, 512), 1000, 256, device, seed=181)

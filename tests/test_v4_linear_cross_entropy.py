@@ -1,0 +1,243 @@
+"""Version 4's output head + cross-entropy in chunks (kernels/linear_cross_entropy.py), the gradient computed
+during the forward pass.
+
+Against float64 PyTorch references, forward and every gradient, with every output buffer NaN-filled first
+(v4_kernel_checks.poisoned_outputs). On CPU the kernels run in Triton's interpreter: shapes are small; the
+full-size and bfloat16 cases are gpu-marked.
+"""
+import math
+
+import pytest
+import torch
+
+import torch.nn.functional as F
+
+from version4_triton_ultra.kernels import linear_cross_entropy as lce
+
+# poisoned_outputs: this file's autouse fixture (every allocated output starts as NaN)
+from .v4_kernel_checks import (  # noqa: F401
+    as_float64_leaf, assert_matches, leaf, poisoned_outputs, random, relative_error)
+
+# The kernels' smallest blocks in Triton's interpreter (the fixture in conftest.py): small problems span several
+# blocks. A test of the blocks a CPU run gets says so.
+pytestmark = pytest.mark.usefixtures("small_interpreter_blocks")
+
+
+def make_head_inputs(n, d, v, dtype, device, seed, n_ignored=3, ignore_index=-100):
+    hidden = leaf(random((n, d), dtype, device, seed))
+    weight = leaf(random((v, d), torch.float32, device, seed + 1, scale=1.0 / math.sqrt(d) * 2))
+    g = torch.Generator().manual_seed(seed + 2)
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[torch.randperm(n, generator=g)[:n_ignored]] = ignore_index
+    return hidden, weight, targets.to(device)
+
+
+def reference_head(hidden, weight, targets, ignore_index=-100):
+    """Float64 loss and gradients (of hidden and weight) of F.cross_entropy(hidden @ weight.T, targets)."""
+    hidden64, weight64 = as_float64_leaf(hidden), as_float64_leaf(weight)
+    loss = F.cross_entropy(hidden64 @ weight64.T, targets, ignore_index=ignore_index)
+    loss.backward()
+    return loss, hidden64.grad, weight64.grad
+
+
+def check_head(n, d, v, dtype, device, seed, chunk_size=None, ignore_index=-100):
+    hidden, weight, targets = make_head_inputs(n, d, v, dtype, device, seed, ignore_index=ignore_index)
+    loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, ignore_index=ignore_index)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    loss.backward()
+    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets, ignore_index)
+    assert_matches(loss, ref_loss, dtype, "loss")
+    assert hidden.grad.dtype == dtype and weight.grad.dtype == torch.float32
+    assert_matches(hidden.grad, ref_grad_hidden, dtype, "grad hidden")
+    assert_matches(weight.grad, ref_grad_weight, dtype, "grad weight")
+    return loss, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n, d, v, chunk_size", [
+    (37, 48, 1000, None),   # one chunk
+    (37, 48, 1003, 8),      # odd V; 5 chunks, the last one of 5 rows
+    (20, 200, 257, 7),      # non-power-of-two D and V
+])
+def test_linear_cross_entropy_matches_float64(n, d, v, chunk_size, dtype, device, poisoned_outputs):
+    check_head(n, d, v, dtype, device, seed=n + d + v, chunk_size=chunk_size)
+    assert poisoned_outputs, "the wrapper did not allocate through the poisoning hook"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_linear_cross_entropy_several_chunks_equal_one_chunk(dtype, device):
+    n, d, v = 50, 40, 300
+    one = check_head(n, d, v, dtype, device, seed=51, chunk_size=n)
+    several = check_head(n, d, v, dtype, device, seed=51, chunk_size=16)  # 16 + 16 + 16 + 2 rows
+    # Per-row losses do not depend on the chunking. grad_weight sums per-chunk products in float32, and in
+    # float16 each chunk's product is rounded to float16 before it is added: close, not bit-equal.
+    torch.testing.assert_close(several[0], one[0], rtol=1e-6, atol=0)
+    agreement = 1e-6 if dtype == torch.float32 else 1e-3
+    assert relative_error(several[1], one[1]) < agreement, "grad hidden depends on the chunking"
+    assert relative_error(several[2], one[2]) < agreement, "grad weight depends on the chunking"
+
+
+def test_linear_cross_entropy_loops_over_vocab_blocks(monkeypatch, device):
+    """Force 8 blocks over V=1003 (the last one partial) to exercise the online max and sum."""
+    monkeypatch.setattr(lce, "MAX_BLOCK_V", 128)
+    check_head(21, 32, 1003, torch.float32, device, seed=61, chunk_size=8)
+
+
+def test_linear_cross_entropy_large_logits_are_stable(device):
+    """Logits in the hundreds: exp() would overflow without subtracting the running max."""
+    hidden, weight, targets = make_head_inputs(12, 16, 500, torch.float32, device, seed=71)
+    hidden = leaf(hidden * 100)
+    loss = lce.linear_cross_entropy(hidden, weight, targets)
+    loss.backward()
+    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
+    assert_matches(loss, ref_loss, torch.float32, "loss")
+    assert_matches(hidden.grad, ref_grad_hidden, torch.float32, "grad hidden")
+    assert_matches(weight.grad, ref_grad_weight, torch.float32, "grad weight")
+
+
+def test_linear_cross_entropy_custom_ignore_index_and_batched_shape(device):
+    b, t, d, v = 3, 7, 24, 130
+    hidden, weight, targets = make_head_inputs(b * t, d, v, torch.float32, device, seed=81, n_ignored=5,
+                                               ignore_index=0)
+    hidden3, targets2 = leaf(hidden.view(b, t, d)), targets.view(b, t)
+    loss = lce.linear_cross_entropy(hidden3, weight, targets2, chunk_size=5, ignore_index=0)
+    loss.backward()
+    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets, ignore_index=0)
+    assert_matches(loss, ref_loss, torch.float32, "loss")
+    assert_matches(hidden3.grad.view(b * t, d), ref_grad_hidden, torch.float32, "grad hidden")
+    assert_matches(weight.grad, ref_grad_weight, torch.float32, "grad weight")
+
+
+def test_linear_cross_entropy_scales_by_grad_output(device):
+    hidden, weight, targets = make_head_inputs(15, 32, 200, torch.float32, device, seed=91)
+    (3.5 * lce.linear_cross_entropy(hidden, weight, targets, chunk_size=4)).backward()
+    _, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
+    assert_matches(hidden.grad, 3.5 * ref_grad_hidden, torch.float32, "grad hidden")
+    assert_matches(weight.grad, 3.5 * ref_grad_weight, torch.float32, "grad weight")
+
+
+@pytest.mark.parametrize("needs_grad", ["weight", "hidden"])
+def test_linear_cross_entropy_only_one_input_needs_grad(needs_grad, device):
+    """The backward's one scaling kernel then scales the one gradient there is."""
+    hidden, weight, targets = make_head_inputs(15, 32, 200, torch.float32, device, seed=101)
+    if needs_grad == "weight":
+        hidden = hidden.detach()
+    else:
+        weight = weight.detach()
+    (2.5 * lce.linear_cross_entropy(hidden, weight, targets, chunk_size=6)).backward()
+    _, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
+    if needs_grad == "weight":
+        assert_matches(weight.grad, 2.5 * ref_grad_weight, torch.float32, "grad weight")
+    else:
+        assert_matches(hidden.grad, 2.5 * ref_grad_hidden, torch.float32, "grad hidden")
+
+
+@pytest.mark.parametrize("how", ["no_grad", "no input requires grad"])
+def test_linear_cross_entropy_inference_computes_loss_only(how, monkeypatch, device):
+    hidden, weight, targets = make_head_inputs(17, 32, 150, torch.float32, device, seed=111)
+    launches = []
+    launch = lce.cross_entropy_rows_
+
+    def recording_launch(logits, targets, row_loss, ignore_index, compute_grad):
+        launches.append(compute_grad)
+        return launch(logits, targets, row_loss, ignore_index, compute_grad)
+
+    monkeypatch.setattr(lce, "cross_entropy_rows_", recording_launch)
+    if how == "no_grad":
+        with torch.no_grad():
+            loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=8)
+    else:
+        loss = lce.linear_cross_entropy(hidden.detach(), weight.detach(), targets, chunk_size=8)
+    assert launches == [False, False, False]
+    assert not loss.requires_grad
+    assert_matches(loss, reference_head(hidden, weight, targets)[0], torch.float32, "loss")
+
+
+def test_linear_cross_entropy_under_autocast_float16(device):
+    """float32 hidden under autocast: the logits are computed in float16, as nn.Linear would."""
+    hidden, weight, targets = make_head_inputs(24, 64, 300, torch.float32, device, seed=121)
+    with torch.autocast(device_type=device.type, dtype=torch.float16):
+        loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=10)
+    loss.backward()
+    assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
+    assert_matches(loss, ref_loss, torch.float16, "loss")
+    assert_matches(hidden.grad, ref_grad_hidden, torch.float16, "grad hidden")
+    assert_matches(weight.grad, ref_grad_weight, torch.float16, "grad weight")
+
+
+def test_linear_cross_entropy_uses_a_given_16bit_weight(device):
+    """weight16 (the model's per-step 16-bit copy) replaces the cast inside; gradients still reach weight."""
+    hidden, weight, targets = make_head_inputs(24, 64, 300, torch.float16, device, seed=122)
+    with torch.autocast(device_type=device.type, dtype=torch.float16):
+        loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=10, weight16=weight.detach().half())
+    loss.backward()
+    assert weight.grad.dtype == torch.float32
+    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
+    assert_matches(loss, ref_loss, torch.float16, "loss")
+    assert_matches(hidden.grad, ref_grad_hidden, torch.float16, "grad hidden")
+    assert_matches(weight.grad, ref_grad_weight, torch.float16, "grad weight")
+
+
+def test_matmul_to_float32_of_16bit_operands(device):
+    a = random((40, 70), torch.bfloat16, device, seed=5)
+    b = random((70, 30), torch.bfloat16, device, seed=6)
+    product = lce.matmul_to_float32(a, b)
+    assert product.dtype == torch.float32
+    assert_matches(product, a.double() @ b.double(), torch.bfloat16, "a @ b")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the all-ignored 0/0 below
+@pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
+@pytest.mark.parametrize("n_rows", [1, 1023, 1025, 3000, 40000])
+def test_mean_loss_counts_only_targets_not_ignored(n_rows, device):
+    g = torch.Generator().manual_seed(n_rows)
+    row_loss = torch.rand(n_rows, generator=g).to(device)
+    targets = torch.randint(0, 50, (n_rows,), generator=g)
+    targets[torch.rand(n_rows, generator=g) < 0.3] = -100
+    targets = targets.to(device)
+    loss, inv_count = lce.mean_loss(row_loss, targets)
+    valid = targets != -100
+    torch.testing.assert_close(loss, row_loss.sum() / valid.sum())   # ignored rows carry loss 0 already
+    torch.testing.assert_close(inv_count, 1.0 / valid.sum().float())
+    all_ignored, _ = lce.mean_loss(row_loss * 0, torch.full_like(targets, -100))
+    assert torch.isnan(all_ignored)
+
+
+def test_default_chunk_rows():
+    assert lce.default_chunk_rows(32000, torch.bfloat16) == 512  # 32 MiB of bf16 logits
+    rows = lce.default_chunk_rows(10**7, torch.float32)  # a huge vocabulary still gets a usable chunk
+    assert rows == lce.CHUNK_ROW_MULTIPLE
+
+
+def test_linear_cross_entropy_rejects_bad_shapes(device):
+    hidden, weight, targets = make_head_inputs(8, 16, 50, torch.float32, device, seed=131)
+    with pytest.raises(ValueError):
+        lce.linear_cross_entropy(hidden, weight[:, :8], targets)
+    with pytest.raises(ValueError):
+        lce.linear_cross_entropy(hidden, weight, targets[:5])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_cross_entropy_full_size_gpu(dtype, device):
+    # V = 32000 (the large configs), N not a multiple of the default chunk (512 rows of bf16 logits).
+    check_head(1100, 512, 32000, dtype, device, seed=141)
+
+
+@pytest.mark.gpu
+def test_linear_cross_entropy_full_size_float32_gpu(device):
+    check_head(700, 256, 32000, torch.float32, device, seed=151, chunk_size=256)
+
+
+@pytest.mark.gpu
+def test_linear_cross_entropy_under_autocast_bfloat16_gpu(device):
+    hidden, weight, targets = make_head_inputs(2048, 1024, 32000, torch.float32, device, seed=161,
+                                               n_ignored=100)
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+        loss = lce.linear_cross_entropy(hidden, weight, targets)
+    loss.backward()
+    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
+    assert_matches(loss, ref_loss, torch.bfloat16, "loss")
+    assert_matches(hidden.grad, ref_grad_hidden, torch.bfloat16, "grad hidden")
+    assert_matches(weight.grad, ref_grad_weight, torch.bfloat16, "grad weight")

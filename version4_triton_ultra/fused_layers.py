@@ -1,0 +1,94 @@
+"""The autograd Functions of version 4's two fused layers, each a chain of its fused kernels with their
+backward (items 2 and 4 of tiny_llama_v4.py's docstring):
+
+    RotaryQKVAttention    QKV GEMM with RoPE in its epilogue (kernels/qkv_rope_gemm.py) -> flash attention
+                          (kernels/flash_attention.py); backward: attention backward rotating dq, dk back, then
+                          two vendor GEMMs
+    SwiGLUFeedForward     gate/up GEMM with SwiGLU in its epilogue -> down GEMM (kernels/swiglu_gemm.py); backward:
+                          the down GEMM's input gradient with d(gate_up) in its epilogue, then vendor GEMMs
+
+Weight operands as in backward_overlap.ProjectionMatmul: a `*_gemm_weight` is the float32 weight or its 16-bit
+copy under autocast; the weight gradients come out in float32, on the weight-gradient stream when there is one.
+"""
+import torch
+
+from version4_triton_ultra.backward_overlap import weight_gradient
+from version4_triton_ultra.kernels.flash_attention import packed_attention_backward, packed_attention_forward
+from version4_triton_ultra.kernels.qkv_rope_gemm import qkv_rope
+from version4_triton_ultra.kernels.swiglu_gemm import down_swiglu_backward, gate_up_swiglu
+
+
+class RotaryQKVAttention(torch.autograd.Function):
+    """out = attention(RoPE(x @ W_qkv^T)), causal, with RoPE in the QKV GEMM's epilogue (kernels/qkv_rope_gemm.py).
+
+    Forward: one Triton GEMM writes qkv [B, S, 3D] with q and k already rotated; the flash-attention forward reads
+    it as it is (no RoPE in its loops). The backward reads the same qkv, which is all attention saves besides
+    out and lse; its kernels rotate dq and dk back as they store them, which makes grad_qkv the gradient of the
+    GEMM's unrotated output, and the GEMM's backward is two vendor GEMMs: grad_x, and the float32 weight
+    gradient (on the weight-gradient stream when there is one). Weight operands as in backward_overlap.ProjectionMatmul.
+    """
+
+    @staticmethod
+    def forward(ctx, x, qkv_weight, qkv_gemm_weight, cos, sin, num_heads, precise_fp32, weight_grad_stream):
+        batch, seq_len, dim = x.shape
+        x_rows = x.reshape(-1, dim).to(qkv_gemm_weight.dtype)
+        qkv = qkv_rope(x_rows, qkv_gemm_weight, cos, sin, seq_len, dim // num_heads).view(batch, seq_len, 3 * dim)
+        out, lse = packed_attention_forward(qkv, num_heads, causal=True, precise_fp32=precise_fp32)
+        ctx.save_for_backward(x_rows, qkv_gemm_weight, qkv, out, lse, cos, sin)
+        ctx.weight, ctx.weight_grad_stream = qkv_weight, weight_grad_stream
+        ctx.num_heads, ctx.precise_fp32, ctx.x_shape = num_heads, precise_fp32, x.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_rows, qkv_gemm_weight, qkv, out, lse, cos, sin = ctx.saved_tensors
+        grad_qkv = packed_attention_backward(qkv, out, lse, grad_out, ctx.num_heads, causal=True,
+                                             precise_fp32=ctx.precise_fp32, rope=(cos, sin))
+        grad_rows = grad_qkv.view(-1, grad_qkv.shape[-1])
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:   # first: the critical path
+            grad_x = (grad_rows @ qkv_gemm_weight).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = weight_gradient(ctx.weight, grad_rows, x_rows, ctx.weight_grad_stream)
+        return grad_x, grad_weight, None, None, None, None, None, None
+
+
+class SwiGLUFeedForward(torch.autograd.Function):
+    """y = down(silu(gate) * up) with [gate | up] = x @ W_gu^T, where both SwiGLU passes ride on a GEMM
+    (kernels/swiglu_gemm.py) instead of running as kernels of their own.
+
+    Forward: one Triton GEMM writes gate_up (saved) and h = silu(gate) * up; the down GEMM (vendor BLAS) reads h.
+    Backward: one Triton GEMM computes dh = grad_y @ W_down and, from the same registers, d(gate_up); the
+    gate/up projection's input gradient is a vendor GEMM. Weight operands as in
+    backward_overlap.ProjectionMatmul: `*_gemm_weight` is the float32 weight or its 16-bit copy under autocast;
+    the weight gradients come out in float32 (on the weight-gradient stream when there is one).
+    """
+
+    @staticmethod
+    def forward(ctx, x, gate_up_weight, gate_up_gemm_weight, down_weight, down_gemm_weight, weight_grad_stream):
+        x_rows = x.reshape(-1, x.shape[-1]).to(gate_up_gemm_weight.dtype)
+        gate_up, h = gate_up_swiglu(x_rows, gate_up_gemm_weight)
+        y = h @ down_gemm_weight.T
+        ctx.save_for_backward(x_rows, gate_up, h, gate_up_gemm_weight, down_gemm_weight)
+        ctx.weights, ctx.weight_grad_stream, ctx.x_shape = (gate_up_weight, down_weight), weight_grad_stream, x.shape
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_rows, gate_up, h, gate_up_gemm_weight, down_gemm_weight = ctx.saved_tensors
+        gate_up_weight, down_weight = ctx.weights
+        needs_x, needs_gate_up_weight, needs_down_weight = (ctx.needs_input_grad[i] for i in (0, 1, 3))
+        grad_y_rows = grad_y.reshape(-1, grad_y.shape[-1]).to(h.dtype)
+        grad_down_weight = grad_gate_up_weight = grad_x = None
+        # The fused kernel first: on the second stream, a weight GEMM queued before it would start at the same
+        # moment and take SMs from it. The down projection's weight GEMM then runs beside grad_x's GEMM.
+        grad_gate_up = None
+        if needs_x or needs_gate_up_weight:
+            grad_gate_up = down_swiglu_backward(grad_y_rows, down_gemm_weight, gate_up)
+        if needs_down_weight:
+            grad_down_weight = weight_gradient(down_weight, grad_y_rows, h, ctx.weight_grad_stream)
+        if needs_x:
+            grad_x = (grad_gate_up @ gate_up_gemm_weight).view(ctx.x_shape)
+        if needs_gate_up_weight:
+            grad_gate_up_weight = weight_gradient(gate_up_weight, grad_gate_up, x_rows, ctx.weight_grad_stream)
+        return grad_x, grad_gate_up_weight, None, grad_down_weight, None, None

@@ -1,0 +1,100 @@
+"""Version 4's training step: forward + backward + optimizer captured once in a CUDA/HIP graph and replayed
+(item 9 of tiny_llama_v4.py's docstring). The harness reaches it through version 4's VersionSpec: make_step
+below is the spec's make_step hook, as the other step strategies are reached through theirs.
+"""
+import torch
+
+from tinytransformer.profiling.ranges import profile_range
+from tinytransformer.training.step import EagerStep
+
+
+def uses_graph(args, device) -> bool:
+    # GradScaler (float16 AMP) makes host-side decisions every step, which a replayed graph cannot.
+    return device.type == "cuda" and args.cuda_graph and not (args.use_amp and args.amp_dtype == "float16")
+
+
+class GraphedStep:
+    """forward + backward + optimizer captured once in a CUDA/HIP graph, then replayed every step.
+
+    The first `warmup_steps` steps run eagerly on a side stream: they are real training steps (their losses
+    count) and they make every lazy allocation (optimizer state, cuBLAS workspaces, Triton compilation) happen
+    before the capture, as graph capture requires. Then the step is captured reading its batch from static
+    buffers; each later call copies the batch in and replays the graph. The loss stays on the device: the
+    trainer reads it only when it prints. With `weight_gradient_stream` (the default) the graph holds two
+    streams: the projections' weight-gradient GEMMs run beside the rest of the backward pass (this switches the
+    model's WeightGradientStream on or off).
+    """
+
+    supports_breakdown = False
+
+    def __init__(self, model, optimizer, device, train, warmup_steps: int = 3, weight_gradient_stream=True):
+        self.model, self.optimizer, self.device = model, optimizer, device
+        model.use_weight_gradient_stream(weight_gradient_stream)
+        self.autocast_dtype = getattr(torch, train.amp_dtype) if train.use_amp else None
+        self.warmup_steps, self.calls = warmup_steps, 0
+        self.graph = None
+        self.side_stream = torch.cuda.Stream(device)
+        # With the second stream and TritonAdamW's two groups, the first group (the weights of layers 1 and up,
+        # and the output head) is updated on the second stream while the main stream still runs layer 0's
+        # backward: that part of the optimizer no longer waits for the end of the backward pass.
+        self.updates_early = (weight_gradient_stream and hasattr(optimizer, "step_groups")
+                              and len(optimizer.param_groups) > 1)
+
+    def _update_first_group(self):
+        self.model.weight_grad_stream.run_after_queued(lambda: self.optimizer.step_groups([0]))
+
+    def _step(self, inputs, targets):
+        # The model calls back during the backward pass of THIS step only: set for the step, then removed, so
+        # that no other backward pass through the model (an eager step, a check) updates the first group.
+        self.model.early_update = self._update_first_group if self.updates_early else None
+        try:
+            # cache_enabled=False: autocast's weight-cast cache would hold tensors created outside the graph.
+            with torch.autocast("cuda", dtype=self.autocast_dtype or torch.bfloat16,
+                                enabled=self.autocast_dtype is not None, cache_enabled=False):
+                with profile_range("forward"):
+                    _, loss = self.model(inputs, targets)
+            with profile_range("backward"):
+                loss.backward()
+                self.model.join_weight_gradients()   # with the second stream: its GEMMs finish before the optimizer
+        finally:
+            self.model.early_update = None
+        with profile_range("optimizer"):
+            if self.updates_early:   # the first group was updated during the backward pass
+                self.optimizer.step_groups(range(1, len(self.optimizer.param_groups)))
+            else:
+                self.optimizer.step()
+        return loss.detach()
+
+    def _capture(self, inputs, targets):
+        self.static_inputs, self.static_targets = inputs.clone(), targets.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        # Gradients set to None: the captured backward allocates them in the graph's memory pool and every
+        # replay overwrites them in place, so no zero_grad is needed inside the graph.
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.cuda.graph(self.graph):
+            self.static_loss = self._step(self.static_inputs, self.static_targets)
+        if hasattr(self.optimizer, "finish_capture"):   # TritonAdamW: the graph's gradient addresses
+            self.optimizer.finish_capture()
+
+    def __call__(self, inputs, targets):
+        self.calls += 1
+        if self.calls <= self.warmup_steps:
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side_stream):
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = self._step(inputs, targets)
+            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+            return loss
+        if self.graph is None:
+            self._capture(inputs, targets)   # recording does not execute: the replay below runs this step
+        self.static_inputs.copy_(inputs)
+        self.static_targets.copy_(targets)
+        self.graph.replay()
+        return self.static_loss
+
+
+def make_step(model, optimizer, device, train, args):
+    if uses_graph(args, device):
+        return GraphedStep(model, optimizer, device, train, warmup_steps=args.graph_warmup_steps,
+                           weight_gradient_stream=args.weight_grad_stream)
+    return EagerStep(model, optimizer, device, train)

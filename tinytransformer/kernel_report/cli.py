@@ -6,12 +6,13 @@ not (the table says which), 2 for bad input (one line).
 from __future__ import annotations
 
 import json
-import os
+import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from ..cli import OneLineParser, command_line, parse_or_exit_code, run_command
+from ..cli import OneLineParser, given_arguments, parse_or_exit_code, run_command
 from ..config import ConfigError, available_presets
 from ..outputs import write_atomically, write_json
 from .targets import TARGETS
@@ -48,15 +49,16 @@ def build_parser() -> OneLineParser:
 
 
 def _check_writable(path: str, flag: str) -> None:
-    """Fail now, in one line, rather than after minutes of compiling."""
+    """Fail now, in one line, rather than after minutes of compiling: the directory must take a new file."""
     target = Path(path)
     if target.is_dir():
         raise ConfigError(f"{flag} {path}: is a directory")
-    parent = target.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if (target.exists() and not os.access(target, os.W_OK)) or not os.access(parent, os.W_OK):
-        raise ConfigError(f"{flag} {path}: cannot write there")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target.parent):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{flag} {path}: cannot write there ({error.strerror or error})") from None
 
 
 def _load(path: str) -> dict:
@@ -94,7 +96,7 @@ def body(argv) -> int:
         rows = build(targets, presets, first_only=args.quick,
                      progress=lambda row: print(f"  {row['target']:7} {row['kernel']}: {row['status']}",
                                                 file=sys.stderr, flush=True))
-        doc = render.document(rows, targets, presets, command_line(PROG, argv))
+        doc = render.document(rows, targets, presets, f"{PROG} {shlex.join(given_arguments(argv))}".strip())
         print(f"{len(rows)} kernel configurations compiled in {time.perf_counter() - started:.0f} s",
               file=sys.stderr)
     print(render.terminal_table(doc["rows"]))

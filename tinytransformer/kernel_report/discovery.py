@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import inspect
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -67,6 +68,8 @@ def preset_configs(preset: str) -> tuple[ModelConfig, TrainConfig]:
 def import_versions():
     """The model modules of versions 3 and 4, with their kernels defined for a GPU (not the interpreter)."""
     os.environ.pop("TRITON_INTERPRET", None)
+    if str(REPO) not in sys.path:   # the version directories are packages of the repository, not installed
+        sys.path.insert(0, str(REPO))
     saved = triton_support.enable_interpreter_if_no_gpu
     triton_support.enable_interpreter_if_no_gpu = lambda verbose=False: False
     try:

@@ -21,7 +21,8 @@ def analyse(result: Compiled, target: Target) -> dict:
         used = amd.resources(result.asm["amdgcn"], result.kernel)
         shared = result.shared + used["static_lds_bytes"]
         row.update(registers=used["vgprs"], agprs=used["agprs"], sgprs=used["sgprs"],
-                   spills=used["vgpr_spills"] + used["sgpr_spills"], scratch_bytes=used["scratch_bytes"],
+                   spills=used["vgpr_spills"] + used["sgpr_spills"], vgpr_spills=used["vgpr_spills"],
+                   sgpr_spills=used["sgpr_spills"], scratch_bytes=used["scratch_bytes"],
                    shared_bytes=shared,
                    occupancy={**occupancy.amd(target, used["vgprs"], used["sgprs"], shared, warps),
                               "unit": "waves per SIMD"})

@@ -19,7 +19,7 @@ from tinytransformer.kernel_report.cli import main
 from tinytransformer.kernel_report.targets import TARGETS
 
 REPO = Path(__file__).resolve().parent.parent
-COMMITTED_JSON = REPO / "benchmarks" / "results" / "kernel_report.json"
+COMMITTED_JSON = REPO / "benchmarks" / "results" / "kernels" / "kernel_report.json"
 COMMITTED_TABLE = REPO / "version4_triton_ultra" / "README.md"
 KERNEL_DIRS = ("version3_triton", "version4_triton_ultra")
 
@@ -100,8 +100,8 @@ def test_committed_table_is_generated_from_the_committed_json():
     committed = render.committed_block(COMMITTED_TABLE.read_text(encoding="utf-8"))
     assert committed is not None, f"no generated block in {COMMITTED_TABLE}"
     assert committed == render.markdown(doc), (
-        "regenerate it: python -m tinytransformer.kernel_report --from-json benchmarks/results/kernel_report.json "
-        "--markdown version4_triton_ultra/README.md")
+        "regenerate it: python -m tinytransformer.kernel_report --from-json "
+        "benchmarks/results/kernels/kernel_report.json --markdown version4_triton_ultra/README.md")
 
 
 # ------------------------------------------------------------------------------------------------ parts

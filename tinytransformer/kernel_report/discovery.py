@@ -8,6 +8,10 @@ limits), and the recorder keeps what Triton's compiler needs, nothing runs. Meta
 specialisation depends on: the dtype and whether the address is a multiple of 16 bytes (a real allocation
 starts aligned, so a view's alignment follows from its storage offset).
 
+The step is the eager one: a CUDA/HIP-graph replay (version 4's GraphedStep) replays the launches of the same
+eager step, so it needs no kernel and no configuration of its own. Stages 1 and 3 of version 3's
+performance-debugging exercise launch version 3's kernels unchanged; stages 2 and 4 bring their own.
+
 This must run in a process whose kernels were defined for the GPU, not for Triton's CPU interpreter: the
 command (cli.py) removes TRITON_INTERPRET before the model modules are imported; tests start it as a process.
 """

@@ -5,6 +5,7 @@ the CPU (slowly, but with the same semantics), which is how laptops and CI test 
 chosen by the environment variable TRITON_INTERPRET=1, read when `triton` is first imported, so
 `enable_interpreter_if_no_gpu()` must run before any `import triton`.
 """
+import dataclasses
 import functools
 import os
 import sys
@@ -61,8 +62,46 @@ def interpreter_block(n: int, smallest: int, largest: int) -> int:
     return max(smallest, min(largest, covering))
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The GPU whose launch configurations the kernels choose
+# ----------------------------------------------------------------------------------------------------------
+# Launch configurations depend on the GPU: its vendor (warp of 32 or wavefront of 64), its multiprocessor count
+# and its shared memory. Normally these are asked of the GPU this process runs on. The kernel report
+# (python -m tinytransformer.kernel_report) compiles the kernels for GPUs this machine does not have: it sets a
+# KnownGpu with `use_known_gpu`, and then the same functions answer from that GPU's published limits, and meta
+# tensors stand in for the GPU's tensors (launches are recorded, never run).
+@dataclasses.dataclass(frozen=True)
+class KnownGpu:
+    target: str                     # the compiler's name: "gfx942", "sm_90"
+    vendor: str                     # "amd" or "nvidia"
+    multiprocessors: int            # SMs (NVIDIA) or compute units (AMD) of the GPU (one GCD of an MI250X)
+    shared_memory_per_program: int  # bytes one program may use (NVIDIA: the opt-in maximum per block)
+
+
+KNOWN_GPUS = {
+    "gfx942": KnownGpu("gfx942", "amd", 304, 64 * 1024),      # MI300X (the MI300A has 228 CUs)
+    "gfx90a": KnownGpu("gfx90a", "amd", 110, 64 * 1024),      # MI250X, one of its two GCDs
+    "sm_90": KnownGpu("sm_90", "nvidia", 132, 227 * 1024),    # H100 SXM
+    "sm_80": KnownGpu("sm_80", "nvidia", 108, 163 * 1024),    # A100
+}
+_known_gpu: KnownGpu | None = None
+
+
+def use_known_gpu(gpu: KnownGpu | None) -> None:
+    """Choose launch configurations for `gpu` (None: for the GPU of this process again)."""
+    global _known_gpu
+    _known_gpu = gpu
+
+
+def is_gpu(device: torch.device) -> bool:
+    """True for a GPU tensor's device; with a known GPU chosen, also for meta tensors, which stand in for it."""
+    return device.type == "cuda" or (_known_gpu is not None and device.type == "meta")
+
+
 def is_rocm() -> bool:
     """True on AMD GPUs: PyTorch's ROCm build reports a HIP version and still uses the torch.cuda API."""
+    if _known_gpu is not None:
+        return _known_gpu.vendor == "amd"
     return torch.version.hip is not None
 
 
@@ -93,14 +132,24 @@ def multiprocessor_count(device: torch.device) -> int:
 
     Cached: asking the driver for the device properties costs microseconds of host time, and kernels that size
     their grid by it are launched many times per training step."""
+    if _known_gpu is not None:
+        return _known_gpu.multiprocessors
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _multiprocessor_count_of(index)
 
 
-@functools.lru_cache(maxsize=None)
-def shared_memory_per_program(device_index: int) -> int:
+def shared_memory_per_program(device: torch.device) -> int:
     """Bytes of shared memory (NVIDIA) or LDS (AMD) one Triton program may use on this GPU, as Triton's own
     driver reports it: about 227 KiB on an H100, 99 KiB on many Ampere and Ada cards, 64 KiB on an MI300.
-    A kernel whose pipelined tiles need more fails to compile."""
+    A kernel whose pipelined tiles need more fails to compile. With a known GPU chosen (use_known_gpu), its
+    published limit: the same rule then sizes tiles for a GPU this machine does not have."""
+    if _known_gpu is not None:
+        return _known_gpu.shared_memory_per_program
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _driver_shared_memory(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _driver_shared_memory(device_index: int) -> int:
     import triton   # here, not at the top: enable_interpreter_if_no_gpu must run before the first import
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]

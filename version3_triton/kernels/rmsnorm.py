@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinytransformer.triton_support import (interpreter_block, multiprocessor_count, num_warps_for,
+from tinytransformer.triton_support import (interpreter_block, is_gpu, multiprocessor_count, num_warps_for,
                                             small_interpreter_blocks)
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -139,7 +139,7 @@ def _block_size(n_cols: int) -> int:
 def _backward_rows_per_tile(block_size: int, n_rows: int, device: torch.device) -> int:
     """About 4096 elements per tile (it stays in registers). In the interpreter, 4 rows for kernel tests (enough
     to test masking), else all the rows in as few tiles of up to 16384 elements as possible (few programs)."""
-    if device.type == "cuda":
+    if is_gpu(device):
         return max(1, min(16, 4096 // block_size))
     if small_interpreter_blocks():
         return 4
@@ -148,7 +148,7 @@ def _backward_rows_per_tile(block_size: int, n_rows: int, device: torch.device) 
 
 def _backward_program_count(n_tiles: int, device: torch.device) -> int:
     """A few programs per SM (compute unit), never more than there are row tiles."""
-    if device.type == "cuda":
+    if is_gpu(device):
         target = 4 * multiprocessor_count(device)
     else:
         target = 8  # Triton's CPU interpreter runs programs one after another: parallelism does not matter.

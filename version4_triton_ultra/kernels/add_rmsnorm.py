@@ -45,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tinytransformer.triton_support import (interpreter_active, interpreter_block, is_rocm, multiprocessor_count,
-                                            num_warps_for, small_interpreter_blocks)
+from tinytransformer.triton_support import (interpreter_active, interpreter_block, is_gpu, is_rocm,
+                                            multiprocessor_count, num_warps_for, small_interpreter_blocks)
 from version4_triton_ultra.kernels.embedding_backward import embedding_backward, embedding_lookup
 
 # One program holds a whole row in registers; beyond this many features it would spill.
@@ -319,7 +319,7 @@ def _backward_program_count(n_rows, block_rows, device):
     Fewer programs than rows keeps the partial-sum buffer (and its summing) small; a few per SM keep
     enough loads in flight to stream at memory speed.
     """
-    if device.type == "cuda" and not interpreter_active():
+    if is_gpu(device) and not interpreter_active():
         target = 4 * multiprocessor_count(device)
     elif small_interpreter_blocks():
         target = 4  # the interpreter runs programs one after another: a few are enough to test the loop

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinytransformer.triton_support import interpreter_active
+from tinytransformer.triton_support import interpreter_active, is_gpu
 
 # A program's tile holds about this many elements (BLOCK_T rows x the row width), enough loads in flight per
 # program without spilling registers.
@@ -66,7 +66,7 @@ def embedding_backward(input_ids: torch.Tensor, grad_output: torch.Tensor, vocab
     if ids.shape[0] != grad_rows.shape[0]:
         raise ValueError(f"{ids.shape[0]} token ids for {grad_rows.shape[0]} gradient rows")
     grad_weight = torch.zeros(vocab_size, n_features, dtype=grad_output.dtype, device=grad_output.device)
-    usable = grad_output.dtype == torch.float32 and (grad_output.is_cuda or interpreter_active())
+    usable = grad_output.dtype == torch.float32 and (is_gpu(grad_output.device) or interpreter_active())
     if not usable:
         return grad_weight.index_add_(0, ids, grad_rows)
     if ids.shape[0] == 0:

@@ -191,8 +191,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
     dim = width // 3
     config = _launch_config(x.dtype, n_rows, head_dim, width, n_in)
     if not interpreter_active():
-        device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        config = _fit_shared_memory(config, x.element_size(), shared_memory_per_program(device_index))
+        config = _fit_shared_memory(config, x.element_size(), shared_memory_per_program(x.device))
     problem = _weight_problem(width, n_in) or _config_problem(n_rows, head_dim, config)
     if problem:
         raise ValueError(problem)

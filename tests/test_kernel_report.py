@@ -1,0 +1,231 @@
+"""The kernel report (tinytransformer/kernel_report/): every Triton kernel of versions 3 and 4 compiles for AMD
+and NVIDIA GPUs without one, its resources are read right, and the committed table is the committed JSON's.
+
+The compile checks start the report as a process of its own: this test process defined the kernels for Triton's
+CPU interpreter, and the report needs them defined for a GPU."""
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinytransformer import triton_support
+from tinytransformer.kernel_report import amd, nvidia, occupancy, render
+from tinytransformer.kernel_report.cli import main
+from tinytransformer.kernel_report.targets import TARGETS
+
+REPO = Path(__file__).resolve().parent.parent
+COMMITTED_JSON = REPO / "benchmarks" / "results" / "kernels" / "kernel_report.json"
+COMMITTED_TABLE = REPO / "version4_triton_ultra" / "README.md"
+KERNEL_DIRS = ("version3_triton", "version4_triton_ultra")
+
+
+def _is_triton_jit(decorator) -> bool:
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return isinstance(target, ast.Attribute) and target.attr == "jit"
+
+
+def launchable_kernels() -> set[tuple[str, str]]:
+    """(file, name) of every @triton.jit function of versions 3 and 4 that no other one calls: the kernels that
+    Python code launches (the others are helpers, compiled into their callers)."""
+    functions = {}
+    for directory in KERNEL_DIRS:
+        for path in sorted((REPO / directory).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef) and any(_is_triton_jit(d) for d in node.decorator_list):
+                    functions[(path.relative_to(REPO).as_posix(), node.name)] = node
+    called = {call.func.id for node in functions.values() for call in ast.walk(node)
+              if isinstance(call, ast.Call) and isinstance(call.func, ast.Name)}
+    return {key for key in functions if key[1] not in called}
+
+
+def run_report(*flags, timeout=600):
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-m", "tinytransformer.kernel_report", *flags], cwd=REPO,
+                          env=environment, capture_output=True, text=True, timeout=timeout)
+
+
+def check_every_kernel_compiles(rows, targets):
+    kernels = launchable_kernels()
+    assert len(kernels) >= 20   # the scan found the kernels (guards the test itself)
+    for target in targets:
+        mine = [r for r in rows if r["target"] == target]
+        assert {(r["source"], r["kernel"]) for r in mine} == kernels, f"{target}: kernels not compiled"
+        failed = [f"{r['kernel']}: {r['error']}" for r in mine if r["status"] != "ok"]
+        assert not failed, f"{target}: {failed}"
+
+
+def test_every_kernel_compiles_for_mi300_and_h100(tmp_path):
+    """CI: each kernel once (its first configuration at the tiny preset) for gfx942 and sm_90."""
+    out = tmp_path / "report.json"
+    result = run_report("--targets", "gfx942,sm_90", "--presets", "tiny", "--quick", "--output-json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    check_every_kernel_compiles(doc["rows"], ["gfx942", "sm_90"])
+    for row in doc["rows"]:
+        assert row["registers"] > 0 and 0 < row["occupancy"]["value"] <= row["occupancy"]["max"]
+    # The configurations are the vendor's: AMD's wavefront of 64 gives fewer warps for the same block.
+    configs = {(r["target"], r["kernel"]): r["config"] for r in doc["rows"]}
+    assert configs[("gfx942", "_swiglu_forward_kernel")]["num_warps"] \
+        < configs[("sm_90", "_swiglu_forward_kernel")]["num_warps"]
+    # The shared-memory rule answers from the target's limit: AMD's 64 KiB of LDS gets shallower GEMM tiles.
+    assert configs[("gfx942", "_qkv_rope_kernel")]["BLOCK_K"] < configs[("sm_90", "_qkv_rope_kernel")]["BLOCK_K"]
+    assert "_flash_attention_backward_dkdv_kernel" in result.stdout
+
+
+@pytest.mark.slow
+def test_full_matrix_compiles_and_fits(tmp_path):
+    """Every kernel, every launch configuration of every preset, on all four targets."""
+    out = tmp_path / "report.json"
+    result = run_report("--output-json", str(out), timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    check_every_kernel_compiles(doc["rows"], list(TARGETS))
+    assert {p for r in doc["rows"] for p in r["presets"]} == {"tiny", "small", "medium", "large"}
+
+
+def test_committed_report_covers_every_kernel_and_target():
+    doc = json.loads(COMMITTED_JSON.read_text())
+    assert list(doc["targets"]) == list(TARGETS) and doc["presets"] == ["large", "medium", "small", "tiny"]
+    check_every_kernel_compiles(doc["rows"], list(TARGETS))
+
+
+def test_committed_table_is_generated_from_the_committed_json():
+    doc = json.loads(COMMITTED_JSON.read_text())
+    committed = render.committed_block(COMMITTED_TABLE.read_text(encoding="utf-8"))
+    assert committed is not None, f"no generated block in {COMMITTED_TABLE}"
+    assert committed == render.markdown(doc), (
+        "regenerate it: python -m tinytransformer.kernel_report --from-json "
+        "benchmarks/results/kernels/kernel_report.json --markdown version4_triton_ultra/README.md")
+
+
+# ------------------------------------------------------------------------------------------------ parts
+def test_amd_resources_from_the_metadata():
+    assembly = """\t.text
+\t.amdgpu_metadata
+---
+amdhsa.kernels:
+  - .agpr_count:     4
+    .args:
+      - .address_space:  global
+        .offset:         0
+    .group_segment_fixed_size: 0
+    .name:           other_kernel
+    .private_segment_fixed_size: 0
+    .sgpr_count:     10
+    .vgpr_count:     12
+  - .agpr_count:     51
+    .args:
+      - .offset:         0
+    .group_segment_fixed_size: 256
+    .name:           my_kernel
+    .private_segment_fixed_size: 64
+    .sgpr_count:     45
+    .sgpr_spill_count: 0
+    .vgpr_count:     307
+    .vgpr_spill_count: 3
+...
+\t.end_amdgpu_metadata
+"""
+    assert amd.resources(assembly, "my_kernel") == {
+        "vgprs": 307, "agprs": 51, "sgprs": 45, "vgpr_spills": 3, "sgpr_spills": 0, "scratch_bytes": 64,
+        "static_lds_bytes": 256}
+    with pytest.raises(ValueError):
+        amd.resources(assembly, "missing_kernel")
+
+
+def test_nvidia_resources_from_cuobjdump():
+    text = """
+Resource usage:
+ Common:
+  GLOBAL:11 CONSTANT[4]:8
+ Function my_kernel:
+  REG:168 STACK:0 SHARED:1024 LOCAL:16 CONSTANT[0]:672 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+    assert nvidia.parse_resource_usage(text, "my_kernel") == {
+        "registers": 168, "local_bytes": 16, "static_shared_bytes": 1024, "stack_bytes": 0}
+
+
+@pytest.mark.parametrize("vgprs, lds, warps, expected, limit", [
+    (307, 16384, 4, 1, "VGPRs"),     # 312 of 512 registers: one wave per SIMD
+    (171, 16384, 4, 2, "VGPRs"),     # 176: two
+    (64, 0, 4, 8, "waves"),          # the hardware's 8
+    (64, 24576, 4, 2, "LDS"),        # two 24 KiB workgroups in 64 KiB, one wave of each per SIMD
+    (64, 8192, 8, 8, "waves"),       # 8 workgroups' LDS, 2 waves each per SIMD: 16, capped at 8
+    (40, 65537, 4, 0, "LDS"),        # more LDS than a CU has: does not fit
+])
+def test_amd_occupancy(vgprs, lds, warps, expected, limit):
+    result = occupancy.amd(TARGETS["gfx942"], vgprs, 40, lds, warps)
+    assert (result["value"], result["limited_by"]) == (expected, limit)
+
+
+@pytest.mark.parametrize("registers, shared, warps, expected, limit", [
+    (168, 49152, 4, 12, "registers"),   # 5376 registers a warp: 12 warps, 3 blocks of 4
+    (32, 0, 4, 64, "warps"),
+    (32, 0, 1, 32, "blocks"),           # 32 blocks of one warp
+    (64, 100 * 1024, 4, 8, "shared memory"),   # two blocks of 101 KiB in 228 KiB
+])
+def test_nvidia_occupancy(registers, shared, warps, expected, limit):
+    result = occupancy.nvidia(TARGETS["sm_90"], registers, shared, warps)
+    assert (result["value"], result["limited_by"]) == (expected, limit)
+
+
+def test_known_gpu_answers_the_launch_questions():
+    gpu = triton_support.KNOWN_GPUS["gfx942"]
+    triton_support.use_known_gpu(gpu)
+    try:
+        assert triton_support.is_rocm() and triton_support.threads_per_warp() == 64
+        assert triton_support.multiprocessor_count(torch.device("meta")) == 304
+        assert triton_support.shared_memory_per_program(torch.device("meta")) == 64 * 1024
+        assert triton_support.is_gpu(torch.device("meta")) and not triton_support.is_gpu(torch.device("cpu"))
+    finally:
+        triton_support.use_known_gpu(None)
+    assert not triton_support.is_gpu(torch.device("meta"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--targets", "gfx1100"], "unknown target gfx1100"),
+    (["--presets", "huge"], "unknown preset huge"),
+    (["--output-json", "/proc/no/such/report.json"], "cannot write there"),
+    (["--markdown", "/"], "is a directory"),
+    (["--from-json", "/no/such/report.json"], "cannot read a report"),
+])
+def test_bad_input_is_one_line_and_exit_2(flags, message, capsys):
+    assert main(flags) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_markdown_replaces_only_its_block(tmp_path):
+    doc = json.loads(COMMITTED_JSON.read_text())
+    page = tmp_path / "page.md"
+    page.write_text(f"# Title\n\nbefore\n\n{render.BEGIN}\nold table\n{render.END}\n\nafter\n")
+    assert main(["--from-json", str(COMMITTED_JSON), "--markdown", str(page)]) == 0
+    text = page.read_text()
+    assert text.startswith("# Title\n\nbefore\n\n") and text.endswith("\n\nafter\n") and "old table" not in text
+    assert render.committed_block(text) == render.markdown(doc)
+
+
+@pytest.mark.gpu
+def test_register_counts_match_what_the_driver_reports(device):
+    """On an NVIDIA GPU: the registers the report reads from a cubin (cuobjdump) are the ones the driver reports
+    once the same kernel is loaded, and local memory (spills) is zero exactly when the driver counts none."""
+    if torch.version.hip is not None:
+        pytest.skip("the driver's register count on AMD is not compared here (the report reads the code object)")
+    from version3_triton.kernels.flash_attention import flash_attention_packed
+    from version3_triton.kernels import flash_attention as fa
+    qkv = torch.randn(2, 128, 3 * 256, device=device)
+    flash_attention_packed(qkv, 8, causal=True)
+    torch.cuda.synchronize()
+    compiled = [k for cache in fa._flash_attention_forward_kernel.device_caches.values() for k in cache[0].values()]
+    assert compiled
+    for kernel in compiled:
+        kernel._init_handles()
+        used = nvidia.resources(kernel.asm["cubin"], kernel.name)
+        assert used["registers"] == kernel.n_regs
+        assert (used["local_bytes"] == 0) == (kernel.n_spills == 0)

@@ -1,4 +1,4 @@
-"""The kernel report (tinytransformer/kernel_report/): every Triton kernel of versions 3 and 4 compiles for AMD
+"""The kernel report (benchmarks/kernel_report/): every Triton kernel of versions 3 and 4 compiles for AMD
 and NVIDIA GPUs without one, its resources are read right, and the committed table is the committed JSON's.
 
 The compile checks start the report as a process of its own: this test process defined the kernels for Triton's
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tinytransformer import triton_support
-from tinytransformer.kernel_report import amd, nvidia, occupancy, render
-from tinytransformer.kernel_report.cli import main
-from tinytransformer.kernel_report.targets import TARGETS
+from benchmarks.kernel_report import amd, nvidia, occupancy, render
+from benchmarks.kernel_report.cli import main
+from benchmarks.kernel_report.targets import TARGETS
 
 REPO = Path(__file__).resolve().parent.parent
 COMMITTED_JSON = REPO / "benchmarks" / "results" / "kernels" / "kernel_report.json"
@@ -46,7 +46,7 @@ def launchable_kernels() -> set[tuple[str, str]]:
 
 def run_report(*flags, timeout=600):
     environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-m", "tinytransformer.kernel_report", *flags], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "benchmarks.kernel_report", *flags], cwd=REPO,
                           env=environment, capture_output=True, text=True, timeout=timeout)
 
 
@@ -100,7 +100,7 @@ def test_committed_table_is_generated_from_the_committed_json():
     committed = render.committed_block(COMMITTED_TABLE.read_text(encoding="utf-8"))
     assert committed is not None, f"no generated block in {COMMITTED_TABLE}"
     assert committed == render.markdown(doc), (
-        "regenerate it: python -m tinytransformer.kernel_report --from-json "
+        "regenerate it: python -m benchmarks.kernel_report --from-json "
         "benchmarks/results/kernels/kernel_report.json --markdown version4_triton_ultra/README.md")
 
 

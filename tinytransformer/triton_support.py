@@ -67,7 +67,7 @@ def interpreter_block(n: int, smallest: int, largest: int) -> int:
 # ----------------------------------------------------------------------------------------------------------
 # Launch configurations depend on the GPU: its vendor (warp of 32 or wavefront of 64), its multiprocessor count
 # and its shared memory. Normally these are asked of the GPU this process runs on. The kernel report
-# (python -m tinytransformer.kernel_report) compiles the kernels for GPUs this machine does not have: it sets a
+# (python -m benchmarks.kernel_report) compiles the kernels for GPUs this machine does not have: it sets a
 # KnownGpu with `use_known_gpu`, and then the same functions answer from that GPU's published limits, and meta
 # tensors stand in for the GPU's tensors (launches are recorded, never run).
 @dataclasses.dataclass(frozen=True)

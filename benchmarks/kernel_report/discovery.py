@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from .. import triton_support
-from ..config import ModelConfig, TrainConfig, load_yaml, preset_path, split_settings
+from tinytransformer import triton_support
+from tinytransformer.config import ModelConfig, TrainConfig, load_yaml, preset_path, split_settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,8 +77,7 @@ def import_versions():
     saved = triton_support.enable_interpreter_if_no_gpu
     triton_support.enable_interpreter_if_no_gpu = lambda verbose=False: False
     try:
-        from version3_triton import stages  # noqa: F401  (imported by v3.build_model for --stage 1-4)
-        from version3_triton import tiny_llama_v3 as v3
+        from version3_triton.exercises.performance_debugging import run_stage
         from version4_triton_ultra import tiny_llama_v4 as v4
         from version4_triton_ultra.kernels import embedding_backward
     finally:
@@ -87,7 +86,7 @@ def import_versions():
     if not isinstance(embedding_backward._embedding_backward_kernel, JITFunction):
         raise RuntimeError("the kernels were defined for Triton's CPU interpreter (TRITON_INTERPRET=1 at import); "
                            "run the kernel report in a process of its own")
-    return v3, v4, embedding_backward
+    return run_stage, v4, embedding_backward
 
 
 @contextlib.contextmanager
@@ -126,11 +125,13 @@ def _train_step(model, optimizer, train: TrainConfig):
         optimizer.step()
 
 
-def model_paths(v3, v4, embedding_backward):
-    """The ways a training run reaches Triton kernels: (label, function(config, train) that runs one step)."""
+def model_paths(run_stage, v4, embedding_backward):
+    """The ways a training run reaches Triton kernels: (label, function(config, train) that runs one step).
+    Version 3 is reached through the performance-debugging exercise's run_stage.py: stage 5 is version 3 itself,
+    stages 2 and 4 launch kernels of their own."""
     def v3_stage(stage):
         def step(config, train):
-            _train_step(v3.build_model(config, argparse.Namespace(stage=stage)), None, train)
+            _train_step(run_stage.build_model(config, argparse.Namespace(stage=stage)), None, train)
         return step   # version 3's optimizer is torch's AdamW: no Triton kernel
 
     def v4_model(rope_in_attention):
@@ -154,11 +155,11 @@ def model_paths(v3, v4, embedding_backward):
 
 def discover(gpu, preset: str, modules=None) -> list[Launch]:
     """Every launch of every model path at `preset`, with the launch configurations chosen for `gpu`."""
-    v3, v4, embedding_backward = modules or import_versions()
+    run_stage, v4, embedding_backward = modules or import_versions()
     config, train = preset_configs(preset)
     launches, label = [], [""]
     with recording(gpu, launches, label):
-        for name, step in model_paths(v3, v4, embedding_backward):
+        for name, step in model_paths(run_stage, v4, embedding_backward):
             label[0] = name
             step(config, train)
     return launches

@@ -1,6 +1,6 @@
 """The kernel report: every Triton kernel of versions 3 and 4 compiled for GPUs this machine need not have.
 
-    python -m tinytransformer.kernel_report            (all kernels, all presets, gfx942 gfx90a sm_90 sm_80)
+    python -m benchmarks.kernel_report            (all kernels, all presets, gfx942 gfx90a sm_90 sm_80)
 
 Triton's pip wheel carries its compilers for AMD (AMDGCN, a code object) and NVIDIA (PTX, then a cubin made by
 the ptxas it ships), and compiling needs no GPU. So on any machine, a CPU-only one included, this package:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..triton_support import KNOWN_GPUS, KnownGpu
+from tinytransformer.triton_support import KNOWN_GPUS, KnownGpu
 
 
 @dataclasses.dataclass(frozen=True)

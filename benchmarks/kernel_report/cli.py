@@ -1,4 +1,4 @@
-"""python -m tinytransformer.kernel_report: compile every Triton kernel for AMD and NVIDIA targets, report.
+"""python -m benchmarks.kernel_report: compile every Triton kernel for AMD and NVIDIA targets, report.
 
 Exit status: 0 when every kernel configuration compiles and fits on every target asked for, 1 when one does
 not (the table says which), 2 for bad input (one line).
@@ -12,12 +12,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..cli import OneLineParser, given_arguments, parse_or_exit_code, run_command
-from ..config import ConfigError, available_presets
-from ..outputs import write_atomically, write_json
+from tinytransformer.cli import OneLineParser, given_arguments, parse_or_exit_code, run_command
+from tinytransformer.config import ConfigError, available_presets
+from tinytransformer.outputs import write_atomically, write_json
 from .targets import TARGETS
 
-PROG = "python -m tinytransformer.kernel_report"
+PROG = "python -m benchmarks.kernel_report"
 EXIT_NOT_ALL_COMPILED = 1
 
 

@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 from typing import Callable, IO
 
-from .config import ConfigError
 
 
 def temporary_path(path: Path) -> Path:
@@ -67,12 +66,8 @@ def write_json(path: str | Path, data) -> Path:
 
 def ensure_directory(path: str | Path, flag: str) -> Path:
     """The output directory a command-line `flag` names, created if needed; ConfigError (one line) if it cannot be."""
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"{flag} {path}: cannot create the directory ({error.strerror or error})") from None
-    return path
+    from .paths import prove_output_dir   # paths.py builds on this module
+    return prove_output_dir(path, flag, keep=True)
 
 
 def load_pyplot():

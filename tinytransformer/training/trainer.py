@@ -38,6 +38,7 @@ from .checkpoint.manager import CheckpointManager
 from .checkpoint.state import restore_rng_state, restore_scaler
 from .console import log_step, print_header, print_summary
 from .metrics import collect_metrics
+from .preflight import check_run_fits, prove_run_outputs
 from .progress import Progress
 from .schedule import learning_rate_at, make_learning_rate_a_tensor, schedule_varies, set_learning_rate
 from .step import EagerStep, default_optimizer
@@ -73,9 +74,12 @@ class Trainer:
         # --deepspeed: DeepSpeed missing or a bad config file is one line, before any process waits for another.
         self.deepspeed_config = (deepspeed_engine.prepare_deepspeed(train, self.device) if train.uses_deepspeed
                                  else None)
+        if distributed.is_main_process():   # before any work: an output that cannot be written is one line now
+            prove_run_outputs(train)
         # Data parallel: join the job torchrun started (a no-op otherwise); each rank then uses its own GPU.
         self.dist = distributed.setup(train, self.device)
         self.device = self.dist.device
+        check_run_fits(spec.name, model_config, train, self.device, self.dist.world_size)
         self.setup_notes = [note for note in [distributed.graph_capture_note(args, self.device, self.dist)] if note]
         self.checkpoints = CheckpointManager(spec.name, train, self.dist, self.log, argv)
 

@@ -271,6 +271,7 @@ def run(spec: VersionSpec, argv=None) -> int:
     parser = build_parser(spec)
     args = parser.parse_args(argv)
     from .training.trainer import Trainer  # after parsing: --help stays fast
+    from .training.divergence import EXIT_DIVERGED, Diverged
     trainer = None
     try:
         model_config, train_config = resolve_configs(args)
@@ -291,6 +292,11 @@ def run(spec: VersionSpec, argv=None) -> int:
             print(f"{parser.prog}: error: {error}", file=sys.stderr)
         let_rank_zero_report()
         return EXIT_BAD_INPUT
+    except Diverged as error:
+        if is_main_process():
+            print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        let_rank_zero_report()
+        return EXIT_DIVERGED
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return 130

@@ -37,6 +37,7 @@ from ..weights import init_canonical_weights
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.state import restore_rng_state, restore_scaler
 from .console import log_step, print_header, print_summary
+from .divergence import check_losses
 from .metrics import collect_metrics
 from .preflight import check_run_fits, prove_run_outputs
 from .progress import Progress
@@ -266,5 +267,8 @@ class Trainer:
         for offset, (ms,) in enumerate(self.timer.collect()):
             self.step_ms[self.interval_start + offset] = ms
         log_step(self, step, self.interval_start)
+        if self.train.stop_on_nan:   # the values are on the host's side of this synchronisation already
+            check_losses(self.losses[self.interval_start:steps_done].tolist(), self.interval_start, self.train,
+                         self.checkpoints.resumed_from)
         self.progress.step_line_printed()
         self.interval_start = steps_done

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ...config import ModelConfig, TrainConfig
 from ...distributed import is_main_process
+from ..divergence import check_losses
 from ..timing import default_warmup_steps
 from . import CheckpointError
 from .files import checkpoint_path, remove_old_checkpoints, remove_temporary_files, save_atomically
@@ -98,11 +99,14 @@ class CheckpointManager:
         train = self.train
         started = time.perf_counter()
         path = checkpoint_path(train.checkpoint_dir, steps_done)
+        losses = run.losses[:steps_done].tolist()
+        # A checkpoint of diverged weights would overwrite the last good one in the rotation: stop before it.
+        check_losses(losses[run.interval_start:], run.interval_start, train, self.resumed_from)
         try:
             payload = build_checkpoint(
                 version=self.version, step=steps_done, model=run.model, optimizer=run.optimizer,
                 scaler=getattr(run.step_fn, "scaler", None), model_config=run.model_config, train_config=train,
-                losses=run.losses[:steps_done].tolist(), evals=run.validation.history,
+                losses=losses, evals=run.validation.history,
                 corpus=self.corpus_fingerprint(run.corpus.tokens), world_size=self.dist.world_size)
             save_atomically(payload, path)
         except KeyboardInterrupt:   # a second Ctrl-C: save_atomically has removed its temporary file

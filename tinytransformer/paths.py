@@ -116,3 +116,11 @@ def prove_output_dir(path: str | Path, flag: str, keep: bool = False) -> Path:
     if not keep:
         _remove_created(created)
     return path
+
+
+def prove_outputs(*outputs: tuple[str, str | Path | None, str]) -> None:
+    """Each (flag, path, "file" or "dir") given (path not None), proven; the first problem raises ConfigError."""
+    for flag, path, kind in outputs:
+        if path is None:
+            continue
+        (prove_output_dir if kind == "dir" else prove_output_file)(path, flag)

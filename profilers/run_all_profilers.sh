@@ -65,7 +65,7 @@ done
 resolve_script
 SCRIPT_DIR="$(dirname "$SCRIPT")"
 if [[ -n "$OUTPUT_DIR" ]]; then
-    mkdir -p "$OUTPUT_DIR"
+    ensure_writable_dir "$OUTPUT_DIR" "--output-dir"
     RUN_DIR="$(cd "$OUTPUT_DIR" && pwd)"
 else
     RUN_DIR="$(new_timestamped_dir ./profile_runs)"

@@ -8,7 +8,6 @@ Each combination runs tiny_llama_v2.py in a fresh process (so nothing, e.g. a co
 from the same canonical weights and data; the table shows median samples/s, the speed-up over the run with
 every fusion off (version 1's computation), peak memory and, with --profile, GPU kernels per training step.
 """
-import argparse
 import itertools
 import json
 import subprocess
@@ -17,6 +16,13 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))   # the shared harness: flags, path checks, atomic writes
+
+from tinytransformer.cli import HelpFormatter, OneLineParser, non_negative_int, positive_int  # noqa: E402
+from tinytransformer.config import ConfigError  # noqa: E402
+from tinytransformer.outputs import write_json  # noqa: E402
+from tinytransformer.paths import prove_output_file  # noqa: E402
+
 FUSIONS = (("qkv", "--enable-qkv-fusion", "--disable-qkv-fusion"),
            ("flash", "--enable-flash-attention", "--disable-flash-attention"),
            ("swiglu", "--enable-swiglu-fusion", "--disable-swiglu-fusion"))
@@ -73,15 +79,21 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-steps", type=int, default=40)
-    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser = OneLineParser(prog="fusion_ablation.py", formatter_class=HelpFormatter,
+                           description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-steps", type=positive_int, default=40)
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=10)
     parser.add_argument("--with-compile", action="store_true", help="add all fusions + torch.compile")
     parser.add_argument("--profile", action="store_true", help="also count GPU kernels per step")
     parser.add_argument("--output-json", help="write the table's rows here")
     args = parser.parse_args(own)
     if args.warmup_steps >= args.num_steps:
         parser.error("--warmup-steps must be smaller than --num-steps")
+    if args.output_json:
+        try:   # before eight training runs, not after them
+            prove_output_file(args.output_json, "--output-json")
+        except ConfigError as problem:
+            parser.error(str(problem))
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for label, flags in combinations(args.with_compile):
@@ -89,8 +101,7 @@ def main(argv=None) -> int:
             print(f"  {label:<18} done", flush=True)
     print_table(rows)
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps({"command": " ".join(["python", "fusion_ablation.py", *argv]),
-                                                      "rows": rows}, indent=2))
+        write_json(args.output_json, {"command": " ".join(["python", "fusion_ablation.py", *argv]), "rows": rows})
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -150,6 +150,12 @@ class Trainer:
 
     # -- the run ---------------------------------------------------------------------------------------------
     def run(self) -> RunResult:
+        try:
+            return self._run()
+        finally:
+            self.checkpoints.release()   # the checkpoint directory's lock, whatever ended the run
+
+    def _run(self) -> RunResult:
         self.build()
         print_header(self)
         train = self.train

@@ -19,6 +19,7 @@ from ..timing import default_warmup_steps
 from . import CheckpointError
 from .files import checkpoint_path, remove_old_checkpoints, remove_temporary_files, save_atomically
 from .loading import find_checkpoint_to_resume
+from .lock import DirectoryLock
 from .state import build_checkpoint, corpus_fingerprint, restore_training_state, setting_differences
 
 
@@ -47,6 +48,7 @@ class CheckpointManager:
         self.last_path: str | None = None      # the last checkpoint this process wrote
         self.last_step: int | None = None
         self._fingerprint: str | None = None
+        self.lock = DirectoryLock(train.checkpoint_dir, log)
 
     @property
     def requested(self) -> bool:
@@ -56,6 +58,8 @@ class CheckpointManager:
         """The validated checkpoint to resume from (None: start at step 0). A bad --resume fails first: one line,
         before anything is built or written. Temporary files of interrupted writes are removed here."""
         train = self.train
+        if self.requested and self.dist.is_main:   # one run per directory, before anything is read or written
+            self.lock.acquire()
         found = (find_checkpoint_to_resume(train.resume, train.checkpoint_dir, model_config, self.log)
                  if train.resume else None)
         if self.requested and self.dist.is_main:
@@ -64,6 +68,10 @@ class CheckpointManager:
                 self.log(f"note: removed {len(removed)} temporary file(s) of an interrupted checkpoint write from "
                          f"{train.checkpoint_dir}/")
         return found
+
+    def release(self) -> None:
+        """The end of the run, however it ends: the directory is free again."""
+        self.lock.release()
 
     def corpus_fingerprint(self, tokens) -> str:
         if self._fingerprint is None:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Callable, IO
 
 
-
 def temporary_path(path: Path) -> Path:
     """Where `path` is written before the rename: beside it (same file system), hidden, this process's own."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -62,12 +61,6 @@ def write_json(path: str | Path, data) -> Path:
     """`data` as indented JSON (a value JSON cannot hold, such as a path, written as its string)."""
     text = json.dumps(data, indent=2, default=str) + "\n"
     return write_atomically(path, lambda file: file.write(text))
-
-
-def ensure_directory(path: str | Path, flag: str) -> Path:
-    """The output directory a command-line `flag` names, created if needed; ConfigError (one line) if it cannot be."""
-    from .paths import prove_output_dir   # paths.py builds on this module
-    return prove_output_dir(path, flag, keep=True)
 
 
 def load_pyplot():

@@ -118,6 +118,12 @@ def prove_output_dir(path: str | Path, flag: str, keep: bool = False) -> Path:
     return path
 
 
+def ensure_directory(path: str | Path, flag: str) -> Path:
+    """The output directory a command-line `flag` names, proven writable and created (the command writes there
+    at once)."""
+    return prove_output_dir(path, flag, keep=True)
+
+
 def prove_outputs(*outputs: tuple[str, str | Path | None, str]) -> None:
     """Each (flag, path, "file" or "dir") given (path not None), proven; the first problem raises ConfigError."""
     for flag, path, kind in outputs:

@@ -13,6 +13,7 @@ concern lives in its own file of this package:
     stopping.py     Ctrl-C / SIGTERM stop at once                  progress.py     a line at least every 10 s
     tools.py        the PyTorch profiler, TensorBoard, DeepSpeed's FLOPS profile
     console.py      the header, step lines and summary             metrics.py      the metrics dictionary
+    preflight.py    output paths and memory, before anything       divergence.py   a NaN/Inf loss stops the run
 
 Step t's batch and learning rate are functions of t, and a checkpoint holds everything else, so a resumed run
 continues exactly where it stopped.

@@ -170,8 +170,6 @@ def parse_args(argv):
         parser.error(f"unknown variant(s) {', '.join(unknown)}")
     if not args.variants:
         parser.error("--variants names no variant: nothing to run")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.warmup_steps >= args.num_steps:
         parser.error("--warmup-steps must be smaller than --num-steps")
     if args.resume and not args.output:

@@ -102,14 +102,15 @@ class CheckpointManager:
         if self.dist.engine == "deepspeed":   # --save-every/--resume are refused; a signal lands here
             self.log("note: no checkpoint under --deepspeed (the optimizer state lives in DeepSpeed's engine)")
             return
+        train = self.train
+        losses = run.losses[:steps_done].tolist()
+        # A checkpoint of diverged weights would overwrite the last good one in the rotation: stop before it. Every
+        # rank checks (its own losses: the weights are the same everywhere), so that all of them stop together.
+        check_losses(losses[run.interval_start:], run.interval_start, train, self.resumed_from)
         if not is_main_process():
             return
-        train = self.train
         started = time.perf_counter()
         path = checkpoint_path(train.checkpoint_dir, steps_done)
-        losses = run.losses[:steps_done].tolist()
-        # A checkpoint of diverged weights would overwrite the last good one in the rotation: stop before it.
-        check_losses(losses[run.interval_start:], run.interval_start, train, self.resumed_from)
         try:
             payload = build_checkpoint(
                 version=self.version, step=steps_done, model=run.model, optimizer=run.optimizer,

@@ -243,3 +243,11 @@ def test_run_all_profilers_refuses_an_unusable_output_dir(output_dir, tmp_path):
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "--output-dir" in result.stderr and "profile_runs" not in os.listdir(tmp_path)
     assert_kept(tmp_path)
+
+
+def test_run_all_profilers_with_every_step_skipped_has_nothing_to_do(tmp_path):
+    script = REPO_ROOT / "version1_pytorch_baseline" / "run_all_profilers.sh"
+    every_step = "timed-run,pytorch-profiler,deepspeed-flops,rocprofv3,rocprof-sys,rocprof-compute,nsys,ncu"
+    result = run_process(["bash", str(script), "--skip", every_step], tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "nothing to run" in result.stderr
+    assert not (tmp_path / "profile_runs").exists()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import torch
 
@@ -71,6 +72,9 @@ def resolve_shape(args, use_interpreter_defaults: bool, ops: list[OpBench]) -> B
 def check_output_path(path: str | None) -> None:
     if path is None:
         return
+    parent = Path(path).parent
+    if not parent.exists():   # this command creates no directories: a typo'd path is reported, not created
+        raise ConfigError(f"--output-json {path}: directory {parent} does not exist")
     prove_output_file(path, "--output-json")
 
 

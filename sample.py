@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # the repository root
 from tinytransformer.training.checkpoint import CheckpointError  # noqa: E402
 from tinytransformer.training.checkpoint.files import list_checkpoints  # noqa: E402
 from tinytransformer.training.checkpoint.loading import read_checkpoint  # noqa: E402
-from tinytransformer.cli import (EXIT_BAD_INPUT, HelpFormatter, OneLineParser, non_negative_int,  # noqa: E402
-                                 positive_int)
+from tinytransformer.cli import (EXIT_BAD_INPUT, HelpFormatter, OneLineParser, non_negative_float,  # noqa: E402
+                                 non_negative_int, positive_int, seed_int)
 from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402
 from tinytransformer.device import resolve_device  # noqa: E402
 
@@ -35,16 +35,6 @@ VERSION_MODULES = {
     "v4": "version4_triton_ultra.tiny_llama_v4",
 }
 BYTE_VOCAB = 256   # text runs use one token per byte
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "likely token (greedy)")
     parser.add_argument("--top-k", type=non_negative_int, default=0,
                         help="sample only among the K most likely tokens; 0 = all")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    parser.add_argument("--seed", type=seed_int, default=0, help="seed of the sampling generator")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--version", choices=sorted(VERSION_MODULES), default="v1",
                         help="whose model class computes the logits (every version computes the same model)")

@@ -48,9 +48,10 @@ from variants import VARIANTS, default_variants
 
 sys.path.insert(0, str(REPO_ROOT))  # the shared harness: result files and presets
 
-from tinytransformer.cli import OneLineParser  # noqa: E402
+from tinytransformer.cli import OneLineParser, non_negative_int, positive_int, seed_int  # noqa: E402
 from tinytransformer.config import ConfigError, load_yaml, preset_path  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
+from tinytransformer.paths import prove_outputs  # noqa: E402
 
 SWEEP_BATCHES = (4, 8, 16, 32)
 SWEEP_SEQ_LENS = (128, 256, 512, 1024)
@@ -138,20 +139,20 @@ def parse_args(argv):
                                            "GPU also none that compiles and no Liger-Kernel]")
     parser.add_argument("--preset", help="size presets from configs/, comma-separated (tiny,small,medium,large): "
                                          "each one's model, batch and sequence length, bfloat16 by default")
-    parser.add_argument("--batch-size", type=int, help="[8; without a GPU: 2, with a small model]")
-    parser.add_argument("--seq-len", type=int, help="[128; without a GPU: 32]")
+    parser.add_argument("--batch-size", type=positive_int, help="[8; without a GPU: 2, with a small model]")
+    parser.add_argument("--seq-len", type=positive_int, help="[128; without a GPU: 32]")
     parser.add_argument("--sweep", action="store_true",
                         help=f"batch sizes {SWEEP_BATCHES} x seq lens {SWEEP_SEQ_LENS} instead of one configuration")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="[float32; with --preset: bfloat16]")
-    parser.add_argument("--num-steps", type=int, default=30)
-    parser.add_argument("--warmup-steps", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--num-steps", type=positive_int, default=30)
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=10)
+    parser.add_argument("--seed", type=seed_int, default=42)
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help="skip the profiled window (no kernels/step column)")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=positive_int, default=1,
                         help="run every variant this many times, in interleaved rounds; report the median run [1]")
-    parser.add_argument("--timeout", type=int, default=900, help="seconds allowed per run")
+    parser.add_argument("--timeout", type=positive_int, default=900, help="seconds allowed per run")
     parser.add_argument("--output", help="write the results JSON here (rewritten after every run)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the successful runs already in --output and run only the missing ones")
@@ -169,12 +170,14 @@ def parse_args(argv):
         parser.error(f"unknown variant(s) {', '.join(unknown)}")
     if not args.variants:
         parser.error("--variants names no variant: nothing to run")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.warmup_steps >= args.num_steps:
         parser.error("--warmup-steps must be smaller than --num-steps")
     if args.resume and not args.output:
         parser.error("--resume needs --output: the results file to continue")
+    try:   # before the first run, not after the last one
+        prove_outputs(("--output", args.output, "file"), ("--plot", args.plot, "file"))
+    except ConfigError as problem:
+        parser.error(str(problem))
     return args
 
 

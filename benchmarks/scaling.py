@@ -18,7 +18,6 @@ the machine and every command), a markdown table, and a PNG plot when matplotlib
 """
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import shlex
@@ -32,7 +31,10 @@ from training_runs import REPO_ROOT, SCRIPTS, run_training, triton_shape_problem
 
 sys.path.insert(0, str(REPO_ROOT))  # the shared harness: result files and plots
 
+from tinytransformer.cli import HelpFormatter, OneLineParser, non_negative_int, positive_int  # noqa: E402
+from tinytransformer.config import ConfigError, preset_path  # noqa: E402
 from tinytransformer.outputs import load_pyplot, write_json  # noqa: E402
+from tinytransformer.paths import prove_output_dir  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 
@@ -148,34 +150,41 @@ def environment(device: str) -> dict:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        description="Weak scaling of TinyLlama versions over 1..N GPUs (torchrun, one process per GPU).",
+    parser = OneLineParser(
+        prog="scaling.py", formatter_class=HelpFormatter, description="Weak scaling of TinyLlama versions over 1..N GPUs (torchrun, one process per GPU).",
         epilog="Flags after -- go to every training run (e.g. -- --batch-size 32).")
     parser.add_argument("--versions", nargs="+", choices=list(SCRIPTS), default=list(SCRIPTS))
     parser.add_argument("--presets", nargs="+", default=["tiny", "medium"], help="size presets from configs/")
-    parser.add_argument("--gpus", nargs="+", type=int, help="process counts to run (default 1..--max-gpus)")
-    parser.add_argument("--max-gpus", type=int, help="run 1, 2, ..., this many processes [all visible GPUs]")
+    parser.add_argument("--gpus", nargs="+", type=positive_int, help="process counts to run (default 1..--max-gpus)")
+    parser.add_argument("--max-gpus", type=positive_int, help="run 1, 2, ..., this many processes [all visible GPUs]")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: gloo between CPU processes, a smoke test on a machine without GPUs")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--engine", choices=["ddp", "deepspeed"], default="ddp")
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0, help="with --engine deepspeed")
-    parser.add_argument("--num-steps", type=int, default=40)
-    parser.add_argument("--warmup-steps", type=int, default=10)
-    parser.add_argument("--timeout", type=int, default=1200, help="seconds allowed per run")
+    parser.add_argument("--num-steps", type=positive_int, default=40)
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=10)
+    parser.add_argument("--timeout", type=positive_int, default=1200, help="seconds allowed per run")
     parser.add_argument("--output-dir", help="where the JSON, table and plot go [benchmarks/results/scaling_TIME]")
     argv = list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     args.extra = extra
     if args.warmup_steps >= args.num_steps:
-        parser.exit(EXIT_BAD_INPUT, "scaling.py: error: --warmup-steps must be smaller than --num-steps\n")
+        parser.error("--warmup-steps must be smaller than --num-steps")
+    try:   # every preset known and the output directory writable before the first (long) run
+        for preset in args.presets:
+            preset_path(preset)
+        if args.output_dir:
+            prove_output_dir(args.output_dir, "--output-dir")
+    except ConfigError as problem:
+        parser.error(str(problem))
     args.gpus = sorted(set(args.gpus or range(1, (args.max_gpus or visible_gpus(args.device)) + 1)))
-    if not args.gpus or args.gpus[0] < 1:
-        parser.exit(EXIT_BAD_INPUT, "scaling.py: error: process counts must be >= 1\n")
+    if not args.gpus:   # --max-gpus left out on a machine without GPUs
+        parser.error("no process count to run: no GPU visible (use --device cpu for a CPU smoke test)")
     if args.device == "cuda" and args.gpus[-1] > visible_gpus("cuda"):
-        parser.exit(EXIT_BAD_INPUT, f"scaling.py: error: {args.gpus[-1]} GPUs requested but "
-                                    f"{visible_gpus('cuda')} visible (use --device cpu for a CPU smoke test)\n")
+        parser.error(f"{args.gpus[-1]} GPUs requested but {visible_gpus('cuda')} visible (use --device cpu for "
+                     f"a CPU smoke test)")
     return args
 
 

@@ -147,12 +147,30 @@ training_command() {
 # Output directories
 # ---------------------------------------------------------------------------------------------
 
+# A directory the script will write into, proven before any profiler runs: created if missing, and a
+# probe file created and removed in it. A file in its place, a read-only mount or a name the file
+# system refuses is one line and exit 2, instead of a failure after the first (long) profiler step.
+ensure_writable_dir() {
+    local dir="$1" what="$2" probe
+    if [[ -e "$dir" && ! -d "$dir" ]]; then
+        die_usage "$what $dir is a file, not a directory"
+    fi
+    if ! mkdir -p "$dir" 2>/dev/null; then
+        die_usage "$what $dir: cannot create the directory"
+    fi
+    probe="$dir/.write-probe-$$"
+    if ! { : >"$probe"; } 2>/dev/null; then
+        die_usage "$what $dir: cannot write there"
+    fi
+    rm -f "$probe"
+}
+
 # Create ROOT/<YYYYmmdd_HHMMSS> (plus _2, _3, ... when two runs start in the same second)
 # and print its absolute path.
 new_timestamped_dir() {
     local root="$1" stamp dir n=1
     stamp="$(date +%Y%m%d_%H%M%S)"
-    mkdir -p "$root"
+    ensure_writable_dir "$root" "the runs directory"
     dir="$root/$stamp"
     while [[ -e "$dir" ]]; do
         n=$((n + 1))
@@ -169,7 +187,7 @@ prepare_output_dir() {
     if [[ -z "$OUTPUT_DIR" ]]; then
         OUTPUT_DIR="$(new_timestamped_dir "./profile_runs")/$subdir"
     fi
-    mkdir -p "$OUTPUT_DIR"
+    ensure_writable_dir "$OUTPUT_DIR" "--output-dir"
     OUTPUT_DIR="$(cd "$OUTPUT_DIR" && pwd)"
 }
 

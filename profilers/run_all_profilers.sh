@@ -61,11 +61,17 @@ IFS=',' read -r -a SKIPPED_BY_USER <<<"$SKIP_LIST"
 for step in "${SKIPPED_BY_USER[@]}"; do
     [[ " ${ALL_STEPS[*]} " == *" $step "* ]] || die_usage "--skip: unknown step '$step' (steps: ${ALL_STEPS[*]})"
 done
+# A command with nothing to do is an error, not an empty summary.
+remaining=0
+for step in "${ALL_STEPS[@]}"; do
+    [[ ",$SKIP_LIST," == *",$step,"* ]] || remaining=$((remaining + 1))
+done
+((remaining > 0)) || die_usage "--skip names every step: nothing to run"
 
 resolve_script
 SCRIPT_DIR="$(dirname "$SCRIPT")"
 if [[ -n "$OUTPUT_DIR" ]]; then
-    mkdir -p "$OUTPUT_DIR"
+    ensure_writable_dir "$OUTPUT_DIR" "--output-dir"
     RUN_DIR="$(cd "$OUTPUT_DIR" && pwd)"
 else
     RUN_DIR="$(new_timestamped_dir ./profile_runs)"

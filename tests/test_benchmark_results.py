@@ -107,7 +107,7 @@ def test_median_run_of_three_and_a_failed_repeat():
 
 def test_repeats_must_be_positive():
     result = compare("--repeats", "0", *TINY_MODEL)
-    assert result.returncode == 2 and "--repeats must be at least 1" in result.stderr
+    assert result.returncode == 2 and "argument --repeats: the value must be a positive integer" in result.stderr
 
 
 def test_appendix_efficiency_table_is_the_committed_step_time_as_flop_rate():

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from .checks import SEED_LIMIT, parse_int, parse_number
 from .config import (ConfigError, ModelConfig, TrainConfig, check_compatible, load_yaml, preset_path,
                      split_settings)
 from .distributed import finish_together, is_main_process, shutdown as leave_process_group
@@ -74,34 +75,22 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _flag_type(parse: Callable, *bounds, **options) -> Callable[[str], object]:
+    """An argparse type that converts a flag's text and checks it with checks.py: the same rules as a YAML or
+    checkpoint value; a refusal becomes argparse's own one-line error."""
+    def convert(text: str):
+        try:
+            return parse(text, "the value", *bounds, **options)
+        except ConfigError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return convert
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
+positive_int = _flag_type(parse_int, 1)
+non_negative_int = _flag_type(parse_int, 0)
+seed_int = _flag_type(parse_int, 0, SEED_LIMIT)
+positive_float = _flag_type(parse_number, positive=True)
+non_negative_float = _flag_type(parse_number, minimum=0.0)
 
 
 def parse_or_exit_code(parser: argparse.ArgumentParser, argv) -> argparse.Namespace | int:
@@ -178,7 +167,7 @@ def build_parser(spec: VersionSpec, prog: str | None = None) -> argparse.Argumen
     run.add_argument("--lr-warmup-steps", type=non_negative_int,
                      help="LEARNING-RATE warm-up: ramp the learning rate linearly to its peak over the first N "
                           "steps (not --warmup-steps, which only excludes steps from the timing) [0]")
-    run.add_argument("--seed", type=int, help="seed for weights and data [42]")
+    run.add_argument("--seed", type=seed_int, help="seed for weights and data [42]")
     run.add_argument("--device", choices=["auto", "cuda", "cpu"], help="cuda = any GPU (NVIDIA or AMD) [auto]")
     run.add_argument("--use-amp", action="store_true", default=None, help="mixed precision (autocast)")
     run.add_argument("--amp-dtype", choices=["bfloat16", "float16"], help="autocast dtype [bfloat16]")
@@ -208,6 +197,9 @@ def build_parser(spec: VersionSpec, prog: str | None = None) -> argparse.Argumen
     out.add_argument("--tensorboard-dir", help="write TensorBoard scalars here")
     out.add_argument("--timing-breakdown", action="store_true", default=None,
                      help="also time forward / backward / optimizer separately")
+    out.add_argument("--no-stop-on-nan", dest="stop_on_nan", action="store_false", default=None,
+                     help="keep training when the loss becomes NaN or infinite (by default the run stops at the "
+                          "next step line or checkpoint, with exit code 1)")
     out.add_argument("--validate-setup", action="store_true", default=None,
                      help="check the environment (device, libraries, a tiny step) before running")
 
@@ -279,6 +271,7 @@ def run(spec: VersionSpec, argv=None) -> int:
     parser = build_parser(spec)
     args = parser.parse_args(argv)
     from .training.trainer import Trainer  # after parsing: --help stays fast
+    from .training.divergence import EXIT_DIVERGED, Diverged
     trainer = None
     try:
         model_config, train_config = resolve_configs(args)
@@ -299,6 +292,11 @@ def run(spec: VersionSpec, argv=None) -> int:
             print(f"{parser.prog}: error: {error}", file=sys.stderr)
         let_rank_zero_report()
         return EXIT_BAD_INPUT
+    except Diverged as error:
+        if is_main_process():
+            print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        let_rank_zero_report()
+        return EXIT_DIVERGED
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return 130

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import yaml
 
+from .checks import (SEED_LIMIT, ConfigError, check_bool, check_choice, check_int, check_number,  # noqa: F401
+                     check_text)
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-class ConfigError(ValueError):
-    """An invalid configuration; its message is one line meant for the user."""
+MIN_VOCAB = 2   # one token: every target is that token, the loss is 0 by construction and nothing is learned
 
 
 @dataclass
@@ -36,18 +36,18 @@ class ModelConfig:
         return self.hidden_dim // self.num_heads
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_dim", "num_layers", "num_heads", "intermediate_size", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        """Every field through checks.py (whatever its source: flag, YAML, checkpoint), then the combinations."""
+        if check_int("vocab_size", self.vocab_size, 1) < MIN_VOCAB:
+            raise ConfigError(f"vocab_size must be at least {MIN_VOCAB}, got {self.vocab_size}: with one token "
+                              f"every target is that token and the loss is 0 by construction")
+        for name in ("hidden_dim", "num_layers", "num_heads", "intermediate_size", "max_seq_len"):
+            check_int(name, getattr(self, name), 1)
+        check_number("rms_norm_eps", self.rms_norm_eps, positive=True)
+        check_number("rope_theta", self.rope_theta, positive=True)
         if self.hidden_dim % self.num_heads:
             raise ConfigError(f"num_heads ({self.num_heads}) must divide hidden_dim ({self.hidden_dim})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim = hidden_dim / num_heads = {self.head_dim} must be even for RoPE")
-        if not self.rms_norm_eps > 0:
-            raise ConfigError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
 
 
 @dataclass
@@ -91,40 +91,49 @@ class TrainConfig:
     deepspeed: bool = False          # DeepSpeed's engine instead of DistributedDataParallel
     zero_stage: int | None = None    # DeepSpeed ZeRO stage 0, 1 or 2 (None: the config file's, else 0)
     deepspeed_config: str | None = None   # a DeepSpeed JSON file (implies deepspeed)
+    stop_on_nan: bool = True         # a non-finite loss ends the run (--no-stop-on-nan: train on, as exercises show)
     extra: dict = field(default_factory=dict)  # version-specific options (fusion switches, ...)
 
     def validate(self) -> None:
-        for name in ("batch_size", "seq_len", "num_steps", "log_every", "profile_steps", "eval_batches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("lr_warmup_steps", "eval_every", "save_every", "keep_last"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        self.validate_values()
         if self.warmup_steps >= self.num_steps:
             raise ConfigError(f"warmup_steps ({self.warmup_steps}) must be smaller than num_steps "
                               f"({self.num_steps}): no step would be left to time")
-        if not self.learning_rate > 0:
-            raise ConfigError(f"learning_rate must be positive, got {self.learning_rate}")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ConfigError(f"lr_schedule must be constant or cosine, got {self.lr_schedule!r}")
         if self.lr_warmup_steps >= self.num_steps:
             raise ConfigError(f"lr_warmup_steps ({self.lr_warmup_steps}) must be smaller than num_steps "
                               f"({self.num_steps})")
-        if not self.checkpoint_dir:
-            raise ConfigError("checkpoint_dir must not be empty")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ConfigError(f"device must be auto, cuda or cpu, got {self.device!r}")
-        if self.amp_dtype not in ("bfloat16", "float16"):
-            raise ConfigError(f"amp_dtype must be bfloat16 or float16, got {self.amp_dtype!r}")
         if not (self.data in ("markov", "random") or self.data.startswith("text:")):
             raise ConfigError(f"unknown --data {self.data!r}: use markov, random, text:PATH or text:stdlib")
         if self.data == "text:":
             raise ConfigError("--data text:PATH needs a file path after 'text:'")
         self.validate_data_parallel()
+
+    def validate_values(self) -> None:
+        """Each field alone: its type and range (checks.py)."""
+        for name in ("batch_size", "seq_len", "num_steps", "log_every", "profile_steps", "eval_batches"):
+            check_int(name, getattr(self, name), 1)
+        for name in ("warmup_steps", "lr_warmup_steps", "eval_every", "save_every", "keep_last"):
+            check_int(name, getattr(self, name), 0)
+        check_int("seed", self.seed, 0, SEED_LIMIT)
+        check_number("learning_rate", self.learning_rate, positive=True)
+        check_number("weight_decay", self.weight_decay, minimum=0.0)
+        check_choice("lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        check_choice("device", self.device, ("auto", "cuda", "cpu"))
+        check_choice("amp_dtype", self.amp_dtype, ("bfloat16", "float16"))
+        check_choice("dist_backend", self.dist_backend, ("auto", "nccl", "gloo"))
+        from .profiling.session import SORT_KEYS   # here: the profiling package imports this module
+        check_choice("sort_by", self.sort_by, SORT_KEYS)
+        for name in ("use_amp", "timing_breakdown", "validate_setup", "enable_pytorch_profiler", "profile_memory",
+                     "profile_operators", "enable_deepspeed_flops", "deepspeed", "stop_on_nan"):
+            check_bool(name, getattr(self, name))
+        for name in ("data", "checkpoint_dir", "profile_dir"):
+            check_text(name, getattr(self, name))
+        for name in ("resume", "output_json", "tensorboard_dir", "deepspeed_config"):
+            check_text(name, getattr(self, name), optional=True)
+        if self.zero_stage is not None:
+            check_int("zero_stage", self.zero_stage, 0)
+        if not isinstance(self.extra, dict):
+            raise ConfigError(f"extra must be a mapping, got {self.extra!r}")
 
     @property
     def uses_deepspeed(self) -> bool:
@@ -195,6 +204,28 @@ def preset_path(name: str) -> Path:
     return path
 
 
+class _RepeatedKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, except that a key given twice in one mapping is an error: YAML's "the last one wins" would
+    silently drop the first value (a flag overriding the file is different: that is the documented order)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                repeated = key in seen
+            except TypeError:   # an unhashable key; the base class reports it
+                break
+            if repeated:
+                raise _RepeatedKey(f"key {key!r} is given twice (again on line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str | Path) -> dict:
     """Read a config file: a mapping with optional 'model' and 'train' sections (or flat keys)."""
     path = Path(path)
@@ -205,7 +236,9 @@ def load_yaml(path: str | Path) -> dict:
     except UnicodeDecodeError:
         raise ConfigError(f"config {path} is not a text (UTF-8) file") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except _RepeatedKey as error:
+        raise ConfigError(f"config {path}: {error}") from None
     except yaml.YAMLError as error:
         first_line = str(error).splitlines()[0]
         raise ConfigError(f"config {path} is not valid YAML: {first_line}") from None
@@ -215,10 +248,11 @@ def load_yaml(path: str | Path) -> dict:
         raise ConfigError(f"config {path} must be a mapping of settings, got {type(data).__name__}")
     flat = {}
     for key, value in data.items():
-        if key in ("model", "train") and isinstance(value, dict):
-            flat.update(value)
-        else:
-            flat[key] = value
+        section = value if key in ("model", "train") and isinstance(value, dict) else {key: value}
+        for name, setting in section.items():
+            if name in flat:   # e.g. hidden_dim in the model section and again at the top level
+                raise ConfigError(f"config {path}: setting {name} is given twice")
+            flat[name] = setting
     unknown = sorted(set(flat) - MODEL_FIELDS - TRAIN_FIELDS)
     if unknown:
         raise ConfigError(f"config {path}: unknown setting(s) {', '.join(unknown)}")

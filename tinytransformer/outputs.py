@@ -12,8 +12,6 @@ import os
 from pathlib import Path
 from typing import Callable, IO
 
-from .config import ConfigError
-
 
 def temporary_path(path: Path) -> Path:
     """Where `path` is written before the rename: beside it (same file system), hidden, this process's own."""
@@ -63,16 +61,6 @@ def write_json(path: str | Path, data) -> Path:
     """`data` as indented JSON (a value JSON cannot hold, such as a path, written as its string)."""
     text = json.dumps(data, indent=2, default=str) + "\n"
     return write_atomically(path, lambda file: file.write(text))
-
-
-def ensure_directory(path: str | Path, flag: str) -> Path:
-    """The output directory a command-line `flag` names, created if needed; ConfigError (one line) if it cannot be."""
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"{flag} {path}: cannot create the directory ({error.strerror or error})") from None
-    return path
 
 
 def load_pyplot():

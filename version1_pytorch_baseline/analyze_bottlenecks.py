@@ -18,7 +18,6 @@ time. On a CPU trace there is no GPU time: the parts are ranked by the host's ti
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections import defaultdict
@@ -26,6 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
+from tinytransformer.checks import ConfigError  # noqa: E402
+from tinytransformer.outputs import write_atomically, write_json  # noqa: E402
+from tinytransformer.paths import prove_outputs  # noqa: E402
 from tinytransformer.profiling import analysis  # noqa: E402
 from tinytransformer.profiling.trace import TraceError, load_trace, resolve_trace_argument  # noqa: E402
 
@@ -242,6 +244,11 @@ def main(argv=None) -> int:
     parser.add_argument("--min-share", type=float, default=MIN_SHARE_PERCENT,
                         help="smallest share of the step (percent) for a part to become a target")
     args = parser.parse_args(argv)
+    try:   # both outputs writable before the trace is read and analysed
+        prove_outputs(("--output-report", args.output_report, "file"), ("--output-json", args.output_json, "file"))
+    except ConfigError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
     try:
         trace_path, note = resolve_trace_argument(args.profile_data)
         trace = load_trace(trace_path)
@@ -252,11 +259,9 @@ def main(argv=None) -> int:
         print(f"note: {note}")
     text, content = build_report(trace, args.top, args.min_share)
     try:
-        Path(args.output_report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output_report).write_text(text)
+        write_atomically(args.output_report, lambda file: file.write(text))
         if args.output_json:
-            Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.output_json).write_text(json.dumps(content, indent=2))
+            write_json(args.output_json, content)
     except OSError as error:
         print(f"{parser.prog}: error: cannot write the report: {error.strerror or error}", file=sys.stderr)
         return 2

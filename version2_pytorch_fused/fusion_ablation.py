@@ -9,7 +9,6 @@ but one ("all-rope": what RoPE's rewrite adds to the rest). Each runs tiny_llama
 nothing, e.g. a compile cache, carries over) from the same canonical weights and data; the table shows median
 samples/s, the speed-up over "none", peak memory and, with --profile, GPU kernels per training step.
 """
-import argparse
 import json
 import subprocess
 import sys
@@ -17,6 +16,13 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))   # the shared harness: flags, path checks, atomic writes
+
+from tinytransformer.cli import HelpFormatter, OneLineParser, non_negative_int, positive_int  # noqa: E402
+from tinytransformer.config import ConfigError  # noqa: E402
+from tinytransformer.outputs import write_json  # noqa: E402
+from tinytransformer.paths import prove_output_file  # noqa: E402
+
 # (short label, the switch's name in tiny_llama_v2.py's --enable-X / --disable-X flags)
 FUSIONS = (("qkv", "qkv-fusion"), ("flash", "flash-attention"), ("swiglu", "swiglu-fusion"),
            ("rmsnorm", "torch-rmsnorm"), ("rope", "rolled-rope"), ("adamw", "fused-adamw"))
@@ -78,9 +84,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-steps", type=int, default=40)
-    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser = OneLineParser(prog="fusion_ablation.py", formatter_class=HelpFormatter,
+                           description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-steps", type=positive_int, default=40)
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=10)
     parser.add_argument("--with-compile", action="store_true",
                         help="add all switches + torch.compile (reduce-overhead), and + a compiled optimizer step")
     parser.add_argument("--profile", action="store_true", help="also count GPU kernels per step")
@@ -88,6 +95,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(own)
     if args.warmup_steps >= args.num_steps:
         parser.error("--warmup-steps must be smaller than --num-steps")
+    if args.output_json:
+        try:   # before eight training runs, not after them
+            prove_output_file(args.output_json, "--output-json")
+        except ConfigError as problem:
+            parser.error(str(problem))
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for label, flags in combinations(args.with_compile):
@@ -97,8 +109,7 @@ def main(argv=None) -> int:
             print(f"  {label:<18} {status}", flush=True)
     print_table(rows)
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps({"command": " ".join(["python", "fusion_ablation.py", *argv]),
-                                                      "rows": rows}, indent=2))
+        write_json(args.output_json, {"command": " ".join(["python", "fusion_ablation.py", *argv]), "rows": rows})
     return 1 if any("error" in r for r in rows) else 0
 
 

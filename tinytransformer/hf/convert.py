@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, ModelConfig, TrainConfig
+from ..paths import prove_output_dir
 from ..training.checkpoint.files import checkpoint_path, list_checkpoints, save_atomically
 from ..training.checkpoint.loading import read_checkpoint
 from ..training.checkpoint.state import build_checkpoint
@@ -49,10 +50,18 @@ def newest_checkpoint(path: str | Path) -> tuple[Path, dict]:
     return found[-1][1], read_checkpoint(found[-1][1])
 
 
-def fresh_output_directory(out: Path) -> Path:
-    """The temporary directory to write into, after checking that `out` may be created (never overwritten)."""
+def prove_fresh_output(out: Path) -> None:
+    """`out` may be created (never overwritten) and its parent written: checked before any work (paths.py)."""
+    if out.is_file():
+        raise ConfigError(f"--out {out} is a file, not a directory; choose a new path")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out}: already exists and is not an empty directory; choose a new path")
+    prove_output_dir(out.parent, "--out")
+
+
+def fresh_output_directory(out: Path) -> Path:
+    """The temporary directory to write into, after checking that `out` may be created (never overwritten)."""
+    prove_fresh_output(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -75,6 +84,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> tuple[Path, Pa
     """Write the checkpoint's weights as a Hugging Face model directory. Returns (checkpoint used, directory)."""
     require_transformers()
     safetensors_torch = require_safetensors()
+    prove_fresh_output(Path(out))   # before reading a large checkpoint
     source, payload = newest_checkpoint(checkpoint)
     config = ModelConfig(**payload["model_config"])
     out = Path(out)
@@ -110,6 +120,7 @@ def import_model(model_dir: str | Path, out: str | Path) -> tuple[Path, ModelCon
     """A local Hugging Face Llama of our architecture -> a step-0 checkpoint in the directory `out`."""
     transformers = require_transformers()
     model_dir = Path(model_dir)
+    prove_fresh_output(Path(out))   # before reading the weights
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"--model {model_dir}: no config.json (a Hugging Face model directory is expected)")
     config = model_config_of(transformers.LlamaConfig.from_pretrained(model_dir, local_files_only=True))
@@ -119,6 +130,9 @@ def import_model(model_dir: str | Path, out: str | Path) -> tuple[Path, ModelCon
         check_canonical(weights, config)
     except ValueError as error:
         raise ConfigError(f"--model {model_dir}: {error}") from None
+    bad = next((name for name, tensor in weights.items() if not bool(torch.isfinite(tensor).all())), None)
+    if bad:
+        raise ConfigError(f"--model {model_dir}: tensor '{bad}' holds NaN or infinite values")
     out = Path(out)
     staging = fresh_output_directory(out)
     try:

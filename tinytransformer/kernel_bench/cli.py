@@ -11,6 +11,7 @@ from ..cli import OneLineParser, command_line, fail, parse_or_exit_code, positiv
 from ..config import ConfigError
 from ..device import describe, peak_bandwidth_tbs
 from ..outputs import write_json
+from ..paths import prove_output_file
 from ..precision import tf32_enabled
 from ..triton_support import interpreter_active
 from . import timing
@@ -71,11 +72,10 @@ def resolve_shape(args, use_interpreter_defaults: bool, ops: list[OpBench]) -> B
 def check_output_path(path: str | None) -> None:
     if path is None:
         return
-    target = Path(path)
-    if target.is_dir():
-        raise ConfigError(f"--output-json {path}: is a directory")
-    if not target.parent.is_dir():
-        raise ConfigError(f"--output-json {path}: directory {target.parent} does not exist")
+    parent = Path(path).parent
+    if not parent.exists():   # this command creates no directories: a typo'd path is reported, not created
+        raise ConfigError(f"--output-json {path}: directory {parent} does not exist")
+    prove_output_file(path, "--output-json")
 
 
 def shape_record(shape: BenchShape) -> dict:

@@ -25,7 +25,8 @@ from ..cli import (VersionSpec, build_parser, command_line, given_arguments, par
 from ..config import ConfigError
 from ..device import describe, peak_bandwidth_tbs, peak_tflops
 from ..flops import BYTE_MODEL, analytic_counts, intensity_rows
-from ..outputs import ensure_directory, write_json
+from ..outputs import write_json
+from ..paths import ensure_directory
 from ..weights import parameter_count
 from .deepspeed_flops import deepspeed_import_problem, profile_forward
 from .flops_summary import DEEPSPEED_VS_ANALYTIC, compare_parts, flops_summary

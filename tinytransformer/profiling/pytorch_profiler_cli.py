@@ -20,7 +20,7 @@ from pathlib import Path
 from ..cli import (VersionSpec, build_parser, command_line, given_arguments, non_negative_int, parse_or_exit_code,
                    resolve_configs, run_command)
 from ..config import ConfigError, TrainConfig
-from ..outputs import ensure_directory
+from ..paths import ensure_directory
 from .tables import trace_tables, write_reports
 from .trace import TraceError, load_trace, resolve_trace_argument
 

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ..checks import ConfigError
+from ..paths import prove_output_dir
 from .analysis import SORT_KEY_ALIASES, SORT_KEYS, phase_split, summarize, top_kernels, top_operators
 from .tables import KERNEL_COLUMNS, PHASE_COLUMNS, format_table, headline, operator_columns, write_reports
 from .trace import TraceError, load_trace
@@ -57,6 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Print the tables for one trace. Bad input: one line on stderr and exit status 2."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.output_dir is not None:
+        try:   # before reading a trace that may take a while
+            prove_output_dir(args.output_dir, "--output-dir")
+        except ConfigError as err:
+            _fail(parser, str(err))
     try:
         trace = load_trace(args.trace)
         operators = top_operators(trace, sort_by=args.sort_by, limit=args.limit)

@@ -13,6 +13,7 @@ concern lives in its own file of this package:
     stopping.py     Ctrl-C / SIGTERM stop at once                  progress.py     a line at least every 10 s
     tools.py        the PyTorch profiler, TensorBoard, DeepSpeed's FLOPS profile
     console.py      the header, step lines and summary             metrics.py      the metrics dictionary
+    preflight.py    output paths and memory, before anything       divergence.py   a NaN/Inf loss stops the run
 
 Step t's batch and learning rate are functions of t, and a checkpoint holds everything else, so a resumed run
 continues exactly where it stopped.
@@ -37,7 +38,9 @@ from ..weights import init_canonical_weights
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.state import restore_rng_state, restore_scaler
 from .console import log_step, print_header, print_summary
+from .divergence import check_losses
 from .metrics import collect_metrics
+from .preflight import check_run_fits, prove_run_outputs
 from .progress import Progress
 from .schedule import learning_rate_at, make_learning_rate_a_tensor, schedule_varies, set_learning_rate
 from .step import EagerStep, default_optimizer
@@ -73,9 +76,12 @@ class Trainer:
         # --deepspeed: DeepSpeed missing or a bad config file is one line, before any process waits for another.
         self.deepspeed_config = (deepspeed_engine.prepare_deepspeed(train, self.device) if train.uses_deepspeed
                                  else None)
+        if distributed.is_main_process():   # before any work: an output that cannot be written is one line now
+            prove_run_outputs(train)
         # Data parallel: join the job torchrun started (a no-op otherwise); each rank then uses its own GPU.
         self.dist = distributed.setup(train, self.device)
         self.device = self.dist.device
+        check_run_fits(spec.name, model_config, train, self.device, self.dist.world_size)
         self.setup_notes = [note for note in [distributed.graph_capture_note(args, self.device, self.dist)] if note]
         self.checkpoints = CheckpointManager(spec.name, train, self.dist, self.log, argv)
 
@@ -145,6 +151,12 @@ class Trainer:
 
     # -- the run ---------------------------------------------------------------------------------------------
     def run(self) -> RunResult:
+        try:
+            return self._run()
+        finally:
+            self.checkpoints.release()   # the checkpoint directory's lock, whatever ended the run
+
+    def _run(self) -> RunResult:
         self.build()
         print_header(self)
         train = self.train
@@ -262,5 +274,8 @@ class Trainer:
         for offset, (ms,) in enumerate(self.timer.collect()):
             self.step_ms[self.interval_start + offset] = ms
         log_step(self, step, self.interval_start)
+        if self.train.stop_on_nan:   # the values are on the host's side of this synchronisation already
+            check_losses(self.losses[self.interval_start:steps_done].tolist(), self.interval_start, self.train,
+                         self.checkpoints.resumed_from)
         self.progress.step_line_printed()
         self.interval_start = steps_done

@@ -20,13 +20,14 @@ Because weights and optimizer state are canonical, a checkpoint written by versi
 back. Writing is atomic (temporary file, fsync, rename): a kill during a write leaves the previous checkpoint
 intact, and its temporary file is removed at once (Ctrl-C) or at the next start of a run that writes checkpoints
 there (SIGKILL). Reading checks the zip archive's CRC-32s (a flipped bit in the weights is caught, not trained
-on) and every field's type and shape. Only rank 0 writes under data parallel. Run ONE training run per
-checkpoint directory.
+on) and every field's type and shape. Only rank 0 writes under data parallel. One training run per checkpoint
+directory, enforced by a lock file (lock.py).
 
     files.py      names, listing, the atomic write, rotation, leftovers of interrupted writes
     state.py      model, optimizer and random-number state <-> the plain values of the file; building one
     loading.py    reading with validation (a bad file is one clear line), choosing the checkpoint to resume
     manager.py    what a run does with checkpoints: resume at the start, save every N steps and when stopped
+    lock.py       one run per checkpoint directory (host and pid in a lock file; stale locks taken over)
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ...config import ConfigError, ModelConfig
+from ...config import TRAIN_FIELDS, ConfigError, ModelConfig, TrainConfig
 from ...weights import check_canonical
 from . import FORMAT, FORMAT_VERSION, CheckpointError
 from .files import list_checkpoints
@@ -92,6 +92,11 @@ def validate_structure(payload, path) -> None:
         config.validate()
     except (TypeError, ConfigError) as error:
         require(False, f"model_config is unusable ({error})")
+    try:   # the saved training settings pass the same typed checks as a flag or a YAML value
+        saved = {k: v for k, v in payload["train_config"].items() if k in TRAIN_FIELDS}
+        TrainConfig(**saved).validate_values()
+    except (TypeError, ConfigError) as error:
+        require(False, f"train_config is unusable ({error})")
     _require_canonical(payload["model"], config, "model", require)
     optimizer = payload["optimizer"]
     require(isinstance(optimizer.get("per_parameter"), dict) and isinstance(optimizer.get("scalars"), dict),
@@ -131,6 +136,10 @@ def _require_canonical(tensors: dict, config: ModelConfig, what: str, require) -
     except ValueError as error:
         require(False, f"{what}: {error}")
     require(all(t.is_floating_point() for t in tensors.values()), f"{what} holds non-float tensors")
+    for name, tensor in tensors.items():   # weights of a diverged run: training on them gives NaN at once
+        if not bool(torch.isfinite(tensor).all()):
+            kind = "NaN" if bool(torch.isnan(tensor).any()) else "infinite"
+            require(False, f"{what} tensor '{name}' holds {kind} values (written by a run that had diverged?)")
 
 
 def check_model_config(payload: dict, expected: ModelConfig, path) -> None:

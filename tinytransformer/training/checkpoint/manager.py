@@ -14,10 +14,12 @@ from pathlib import Path
 
 from ...config import ModelConfig, TrainConfig
 from ...distributed import is_main_process
+from ..divergence import check_losses
 from ..timing import default_warmup_steps
 from . import CheckpointError
 from .files import checkpoint_path, remove_old_checkpoints, remove_temporary_files, save_atomically
 from .loading import find_checkpoint_to_resume
+from .lock import DirectoryLock
 from .state import build_checkpoint, corpus_fingerprint, restore_training_state, setting_differences
 
 
@@ -46,6 +48,7 @@ class CheckpointManager:
         self.last_path: str | None = None      # the last checkpoint this process wrote
         self.last_step: int | None = None
         self._fingerprint: str | None = None
+        self.lock = DirectoryLock(train.checkpoint_dir, log)
 
     @property
     def requested(self) -> bool:
@@ -55,6 +58,8 @@ class CheckpointManager:
         """The validated checkpoint to resume from (None: start at step 0). A bad --resume fails first: one line,
         before anything is built or written. Temporary files of interrupted writes are removed here."""
         train = self.train
+        if self.requested and self.dist.is_main:   # one run per directory, before anything is read or written
+            self.lock.acquire()
         found = (find_checkpoint_to_resume(train.resume, train.checkpoint_dir, model_config, self.log)
                  if train.resume else None)
         if self.requested and self.dist.is_main:
@@ -63,6 +68,10 @@ class CheckpointManager:
                 self.log(f"note: removed {len(removed)} temporary file(s) of an interrupted checkpoint write from "
                          f"{train.checkpoint_dir}/")
         return found
+
+    def release(self) -> None:
+        """The end of the run, however it ends: the directory is free again."""
+        self.lock.release()
 
     def corpus_fingerprint(self, tokens) -> str:
         if self._fingerprint is None:
@@ -93,16 +102,20 @@ class CheckpointManager:
         if self.dist.engine == "deepspeed":   # --save-every/--resume are refused; a signal lands here
             self.log("note: no checkpoint under --deepspeed (the optimizer state lives in DeepSpeed's engine)")
             return
+        train = self.train
+        losses = run.losses[:steps_done].tolist()
+        # A checkpoint of diverged weights would overwrite the last good one in the rotation: stop before it. Every
+        # rank checks (its own losses: the weights are the same everywhere), so that all of them stop together.
+        check_losses(losses[run.interval_start:], run.interval_start, train, self.resumed_from)
         if not is_main_process():
             return
-        train = self.train
         started = time.perf_counter()
         path = checkpoint_path(train.checkpoint_dir, steps_done)
         try:
             payload = build_checkpoint(
                 version=self.version, step=steps_done, model=run.model, optimizer=run.optimizer,
                 scaler=getattr(run.step_fn, "scaler", None), model_config=run.model_config, train_config=train,
-                losses=run.losses[:steps_done].tolist(), evals=run.validation.history,
+                losses=losses, evals=run.validation.history,
                 corpus=self.corpus_fingerprint(run.corpus.tokens), world_size=self.dist.world_size)
             save_atomically(payload, path)
         except KeyboardInterrupt:   # a second Ctrl-C: save_atomically has removed its temporary file

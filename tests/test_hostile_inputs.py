@@ -202,6 +202,10 @@ SCRIPTS = {
                                            lambda t: [a_file(t), "--output-dir", a_file(t)]),
     "bottlenecks: report is a directory": ("version1_pytorch_baseline/analyze_bottlenecks.py",
                                            lambda t: ["--profile-data", a_file(t), "--output-report", a_dir(t)]),
+    "ultra profiling: output dir is a file": ("version4_triton_ultra/run_ultra_profiling.py",
+                                              lambda t: ["--versions", "v1", "--output-dir", a_file(t)]),
+    "ultra profiling: nothing to analyse": ("version4_triton_ultra/run_ultra_profiling.py",
+                                           lambda t: ["--analyze-only", a_file(t) + "/none"]),
 }
 
 

@@ -11,7 +11,6 @@ with tinytransformer.profiling, so the kernel counts quoted in the docs are meas
 Any training flag after `--` is passed to every version (e.g. `-- --batch-size 32 --seq-len 512`).
 """
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -22,6 +21,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from tinytransformer.config import ConfigError  # noqa: E402
+from tinytransformer.outputs import write_json  # noqa: E402
+from tinytransformer.paths import ensure_directory  # noqa: E402
 from tinytransformer.profiling import analysis  # noqa: E402
 from tinytransformer.profiling.trace import TraceError, load_trace  # noqa: E402
 
@@ -106,7 +108,6 @@ def print_table(results: dict) -> None:
 def shape_problem(versions: list[str], train_flags: list[str]) -> str | None:
     """Sizes that a Triton version's kernels cannot take (tiny_llama_v3/v4.shape_problem_of_flags), or training
     flags it refuses: found before the first version runs, rather than after the versions before it."""
-    from tinytransformer.config import ConfigError
     from tinytransformer.equivalence import load_version
     for version in versions:
         module = load_version(version)
@@ -139,8 +140,15 @@ def main(argv=None) -> int:
         problem = shape_problem(versions, train_flags)
         if problem:
             parser.exit(2, f"{parser.prog}: error: {problem}\n")
-    out_dir = Path(args.analyze_only or args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.analyze_only:
+        out_dir = Path(args.analyze_only)
+        if not out_dir.is_dir():
+            parser.exit(2, f"{parser.prog}: error: --analyze-only {out_dir}: no such directory\n")
+    else:
+        try:   # proven writable before the first version is profiled, not after
+            out_dir = ensure_directory(args.output_dir, "--output-dir")
+        except ConfigError as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
     results = {}
     for version in versions:
         trace = out_dir / version / f"trace_{version}.json"
@@ -151,7 +159,7 @@ def main(argv=None) -> int:
         except (RuntimeError, TraceError) as error:
             print(f"{parser.prog}: error: {error}", file=sys.stderr)
             return 1 if not args.analyze_only else 2
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    write_json(out_dir / "results.json", results)
     print_table(results)
     print(f"results: {out_dir / 'results.json'}")
     return 0

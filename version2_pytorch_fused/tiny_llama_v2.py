@@ -16,7 +16,7 @@ Each switch can be turned off; with all of them off this file computes exactly v
 Run:   python tiny_llama_v2.py                              (all fusions on)
        python tiny_llama_v2.py --enable-torch-compile --torch-compile-mode reduce-overhead
        python tiny_llama_v2.py --disable-all-fusion         (= version 1's computation)
-       python fusion_ablation.py                            (every combination, one table)
+       python fusion_ablation.py                            (each switch alone and left out, one table)
 """
 import math
 import sys

@@ -107,12 +107,16 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(d, d, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
 
+    def fused_projection(self, x):
+        """One GEMM, viewed as [B, S, 3, H, Dh]: q, k and v side by side."""
+        batch, seq, _ = x.shape
+        return self.qkv_proj(x).view(batch, seq, 3, self.num_heads, self.head_dim)
+
     def project(self, x):
         batch, seq, _ = x.shape
         if self.fuse_qkv:
-            # One GEMM, then views: [B, S, 3, H, Dh] -> three [B, H, S, Dh] tensors, no copies.
-            qkv = self.qkv_proj(x).view(batch, seq, 3, self.num_heads, self.head_dim)
-            return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            # Views: [B, S, 3, H, Dh] -> three [B, H, S, Dh] tensors, no copies.
+            return self.fused_projection(x).permute(2, 0, 3, 1, 4).unbind(0)
         split = lambda t: t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # noqa: E731
         return split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
 
@@ -126,8 +130,7 @@ class Attention(nn.Module):
             q, k, v = self.project(x)   # [B, H, S, Dh]: the [S, Dh] tables broadcast as they are
             return apply_rope_rolled(q, cos, signed_sin), apply_rope_rolled(k, cos, signed_sin), v
         # q and k are neighbours in the fused projection's output: rotate both with one set of kernels.
-        batch, seq, _ = x.shape
-        qkv = self.qkv_proj(x).view(batch, seq, 3, self.num_heads, self.head_dim)
+        qkv = self.fused_projection(x)
         qk = apply_rope_rolled(qkv[:, :, :2], cos[:, None, None, :], signed_sin[:, None, None, :])
         q, k = qk.permute(2, 0, 3, 1, 4).unbind(0)
         return q, k, qkv[:, :, 2].transpose(1, 2)

@@ -344,18 +344,38 @@ def test_deepspeed_config_is_built_from_the_flags():
     assert plain["zero_optimization"] == {"stage": 0} and not plain["bf16"]["enabled"]
 
 
-def test_version_4_graph_step_falls_back_to_eager_under_data_parallel():
-    enabled = distributed.DistributedContext(enabled=True, world_size=2, engine="ddp",
-                                             device=torch.device("cuda", 0))
-    args = SimpleNamespace(cuda_graph=True)
-    note = distributed.graph_capture_note(args, torch.device("cuda", 0), enabled)
+def test_version_4_keeps_its_graph_under_ddp_and_falls_back_to_eager_under_deepspeed():
+    from version4_triton_ultra.graphed_step import uses_graph
+    gpu = torch.device("cuda", 0)
+
+    def v4_args(**overrides):
+        return SimpleNamespace(**{"cuda_graph": True, "use_amp": None, "amp_dtype": "bfloat16", **overrides})
+
+    def context(engine):
+        return distributed.DistributedContext(enabled=True, world_size=2, engine=engine, device=gpu)
+
+    # DDP: the graph stays (its step averages the gradients itself), and the note says so.
+    args = v4_args()
+    note = distributed.graph_capture_note(args, gpu, context("ddp"), uses_graph)
+    assert args.cuda_graph is True and "averages gradients inside its CUDA/HIP-graph step" in note
+    assert "without the DDP wrapper" in note and "eager" not in note
+    # DeepSpeed: its engine's hooks cannot be captured; the eager step, and the note says why.
+    args = v4_args()
+    note = distributed.graph_capture_note(args, gpu, context("deepspeed"), uses_graph)
+    assert args.cuda_graph is False and "eager step under DeepSpeed" in note and "Python hooks" in note
+    # DDP without the hook (a version whose step does not average): eager under DDP, as before.
+    args = v4_args()
+    note = distributed.graph_capture_note(args, gpu, context("ddp"))
     assert args.cuda_graph is False and "eager step under DDP" in note
-    single = SimpleNamespace(cuda_graph=True)
-    assert distributed.graph_capture_note(single, torch.device("cuda", 0), distributed.DistributedContext()) is None
+    # float16 AMP: no graph in any case (GradScaler), so no note; the eager step under DDP.
+    args = v4_args(use_amp=True, amp_dtype="float16")
+    assert distributed.graph_capture_note(args, gpu, context("ddp"), uses_graph) is None
+    single = v4_args()
+    assert distributed.graph_capture_note(single, gpu, distributed.DistributedContext(), uses_graph) is None
     assert single.cuda_graph is True                         # a single process keeps its graph
-    on_cpu = SimpleNamespace(cuda_graph=True)
-    assert distributed.graph_capture_note(on_cpu, torch.device("cpu"), enabled) is None   # no graph on a CPU
-    assert distributed.graph_capture_note(SimpleNamespace(), torch.device("cuda", 0), enabled) is None  # v1-v3
+    on_cpu = v4_args()
+    assert distributed.graph_capture_note(on_cpu, torch.device("cpu"), context("ddp"), uses_graph) is None
+    assert distributed.graph_capture_note(SimpleNamespace(), gpu, context("ddp")) is None   # v1-v3
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -376,5 +396,6 @@ def test_two_gpus_equal_one_gpu(version, tmp_path):
     a = np.array(json.loads(out2.read_text())["loss"]["history"])
     b = np.array(json.loads(out1.read_text())["loss"]["history"])
     assert np.abs(a - b).max() < 1e-3 * np.abs(b).max()
-    if version == "v4":
-        assert "version 4 runs its eager step under DDP" in two.stdout
+    if version == "v4":   # the graph-captured step, averaging its own gradients (test_v4_data_parallel.py)
+        assert "averages gradients inside its CUDA/HIP-graph step" in two.stdout
+        assert "gradients averaged in v4's own step" in two.stdout and "eager step" not in two.stdout

@@ -482,8 +482,11 @@ def describe(args) -> dict:
 
 
 # The training step is a strategy of its own (graphed_step.py): the graph-captured step on a GPU, else eager.
+# Under torchrun the graph-captured step averages the gradients itself (all-reduces inside the graph), so the
+# harness does not wrap the model in DDP whenever that step runs (averages_gradients).
 SPEC = VersionSpec(name="v4", title="Triton ultra-fused", build_model=build_model, add_arguments=add_arguments,
-                   check_arguments=check_arguments, describe=describe, make_step=graphed_step.make_step)
+                   check_arguments=check_arguments, describe=describe, make_step=graphed_step.make_step,
+                   averages_gradients=graphed_step.uses_graph)
 
 
 def main(argv=None):

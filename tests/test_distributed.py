@@ -217,6 +217,36 @@ def test_scaling_benchmark_cpu_smoke(tmp_path):
     assert "| v1 | tiny | 2 | 4 |" in (tmp_path / "out" / "scaling.md").read_text()
 
 
+def test_scaling_benchmark_with_a_single_process_reference(tmp_path):
+    """--with-single-process: a plain process (no torchrun) beside the 1-process torchrun point, as the reference
+    of the speed-up and efficiency columns."""
+    result = run([sys.executable, REPO_ROOT / "benchmarks" / "scaling.py", "--device", "cpu", "--versions", "v1",
+                  "--presets", "tiny", "--gpus", "1", "--with-single-process", "--num-steps", "4",
+                  "--warmup-steps", "1", "--output-dir", tmp_path / "out", "--", *SIZES, "--batch-size", "2"],
+                 cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    rows = json.loads((tmp_path / "out" / "scaling.json").read_text())["rows"]
+    assert [(r["launcher"], r["gpus"]) for r in rows] == [("none", 1), ("torchrun", 1)]
+    assert rows[0]["command"].startswith("python ") and "torch.distributed.run" not in rows[0]["command"]
+    assert rows[1]["command"].startswith("torchrun --standalone --nproc-per-node 1 ")
+    assert rows[0]["efficiency"] == pytest.approx(1.0)
+    assert rows[1]["efficiency"] == pytest.approx(rows[1]["samples_per_s"] / rows[0]["samples_per_s"])
+    assert "| v1 | tiny | 1 (no torchrun) | 2 |" in (tmp_path / "out" / "scaling.md").read_text()
+
+
+def test_scaling_efficiency_reference():
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from scaling import add_efficiency
+    torchrun_only = [{"version": "v4", "preset": "small", "gpus": g, "launcher": "torchrun", "samples_per_s": s}
+                     for g, s in [(1, 100.0), (2, 150.0)]]
+    add_efficiency(torchrun_only)
+    assert [r["efficiency"] for r in torchrun_only] == [1.0, 0.75]
+    plain = {"version": "v4", "preset": "small", "gpus": 1, "launcher": "none", "samples_per_s": 200.0}
+    rows = torchrun_only + [plain]   # the plain process is the reference wherever it stands in the list
+    add_efficiency(rows)
+    assert [r["efficiency"] for r in rows] == [0.5, 0.375, 1.0]
+
+
 def test_slurm_script_dry_run_builds_the_rendezvous_command(tmp_path):
     script = REPO_ROOT / "scripts" / "slurm_multinode.sbatch"
     env = clean_env(DRY_RUN="1", SLURM_NNODES="4", SLURM_JOB_ID="123", HEAD_NODE="node007", GPUS_PER_NODE="8",

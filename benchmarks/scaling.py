@@ -86,6 +86,7 @@ def run_point(version: str, preset: str, gpus: int, args, out_dir: Path, launche
         "peak_memory_mib_per_gpu": metrics["memory"]["peak_allocated_mib"],
         "final_loss": metrics["loss"]["final"],
         "device": metrics["device"]["name"],
+        "gradients_averaged_by": metrics["distributed"].get("gradients_averaged_by"),   # ddp, step (v4's graph)
     })
     return row
 

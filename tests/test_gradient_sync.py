@@ -143,4 +143,7 @@ def test_two_ranks_averaging_their_own_gradients_equal_one_process(tmp_path):
                              *RUN, "--batch-size", GLOBAL_BATCH // RANKS, "--output-json", out], cwd=tmp_path)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "gradients averaged in v1's own step (all-reduce, no DDP wrapper) over 2 rank(s) (gloo)" in result.stdout
-    assert_same_training(json.loads(out.read_text()), reference)
+    metrics = json.loads(out.read_text())
+    assert metrics["distributed"]["gradients_averaged_by"] == "step" and reference["distributed"][
+        "gradients_averaged_by"] is None
+    assert_same_training(metrics, reference)

@@ -32,8 +32,8 @@ import torch
 from .. import deepspeed_engine, distributed
 from ..config import ConfigError, ModelConfig, TrainConfig
 from ..data import BatchStream, build_corpora
-from ..gradient_sync import GradientAllReduce
 from ..device import reset_peak_memory, resolve_device, synchronize
+from ..gradient_sync import GradientAllReduce
 from ..outputs import write_json
 from ..weights import init_canonical_weights
 from .checkpoint.manager import CheckpointManager

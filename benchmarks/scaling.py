@@ -3,6 +3,7 @@
     python benchmarks/scaling.py --max-gpus 2                                  (v1-v4 x tiny, medium; 1, 2 GPUs)
     python benchmarks/scaling.py --versions v1 v4 --presets medium --gpus 1 2 4 8 --num-steps 60
     python benchmarks/scaling.py --engine deepspeed --zero-stage 1 --presets medium --max-gpus 2
+    python benchmarks/scaling.py --versions v4 --presets small medium --dtype bfloat16 --gpus 1 --with-single-process
     python benchmarks/scaling.py --device cpu --versions v1 --presets tiny --max-gpus 2 \\
         -- --hidden-dim 32 --num-heads 2 --num-layers 1 --intermediate-size 64 --seq-len 16   (CPU smoke test, gloo)
 
@@ -10,7 +11,10 @@ Weak scaling keeps the work of each GPU fixed (--batch-size is per rank) and gro
 count. Perfectly, N GPUs process N times the samples per second of one: the efficiency column is
 samples/s(N) / (N x samples/s(1)). What is lost is mostly the gradient all-reduce (about parameters x 4 bytes per
 step) that the backward pass could not hide; see README, "Scaling out". The 1-GPU point also runs under torchrun,
-with DDP around the model, so every point pays the same wrapper costs.
+with DDP around the model (version 4's graph-captured step: its own all-reduces instead), so every point pays the
+same communication path. --with-single-process adds a plain process (no torchrun, no process group) for each
+version and preset as the reference of the speed-up and efficiency columns: the 1-GPU torchrun point's
+efficiency then shows what the data-parallel path itself costs on one GPU.
 
 Each point is a fresh `torchrun --standalone --nproc-per-node N` process (a free port each time), started exactly
 as a user would start it; its rank 0 writes --output-json, which is collected here. Results: a JSON file (with
@@ -51,15 +55,19 @@ def torchrun_command(version: str, preset: str, gpus: int, json_path: Path, args
     return command + args.extra
 
 
-def run_point(version: str, preset: str, gpus: int, args, out_dir: Path) -> dict:
-    """One training run on `gpus` processes; its metrics, or the last line of its error."""
-    json_path = out_dir / f"{version}_{preset}_{gpus}gpu.json"
+def run_point(version: str, preset: str, gpus: int, args, out_dir: Path, launcher: str = "torchrun") -> dict:
+    """One training run on `gpus` processes (launcher "torchrun"), or one plain process (launcher "none": gpus
+    must be 1); its metrics, or the last line of its error."""
+    json_path = out_dir / (f"{version}_{preset}_{gpus}gpu.json" if launcher == "torchrun"
+                           else f"{version}_{preset}_single_process.json")
     command = torchrun_command(version, preset, gpus, json_path, args)
+    if launcher == "none":
+        command = [sys.executable] + command[6:]   # the script and its flags, without the launcher's six words
     env = dict(os.environ)
     if args.device == "cpu":
         env["TRITON_INTERPRET"] = "1"   # versions 3 and 4 run their Triton kernels in the interpreter on a CPU
-    row = {"version": version, "preset": preset, "gpus": gpus,
-           "command": shlex.join(["torchrun"] + command[3:])}
+    shown = ["torchrun"] + command[3:] if launcher == "torchrun" else ["python"] + command[1:]
+    row = {"version": version, "preset": preset, "gpus": gpus, "launcher": launcher, "command": shlex.join(shown)}
     outcome = run_training(command, json_path, args.timeout, env=env, cwd=REPO_ROOT)
     if outcome.wall_s is not None:
         row["wall_s"] = round(outcome.wall_s, 1)
@@ -78,13 +86,18 @@ def run_point(version: str, preset: str, gpus: int, args, out_dir: Path) -> dict
         "peak_memory_mib_per_gpu": metrics["memory"]["peak_allocated_mib"],
         "final_loss": metrics["loss"]["final"],
         "device": metrics["device"]["name"],
+        "gradients_averaged_by": metrics["distributed"].get("gradients_averaged_by"),   # ddp, step (v4's graph)
     })
     return row
 
 
 def add_efficiency(rows: list[dict]) -> None:
-    """Speed-up over the 1-GPU point of the same version and preset, and weak-scaling efficiency."""
-    single = {(r["version"], r["preset"]): r.get("samples_per_s") for r in rows if r["gpus"] == 1}
+    """Speed-up over the 1-GPU point of the same version and preset, and weak-scaling efficiency. The reference
+    is the plain single process where there is one (--with-single-process), else the 1-GPU torchrun point."""
+    single = {}
+    for r in sorted(rows, key=lambda r: r.get("launcher") == "none"):   # a plain process overrides torchrun
+        if r["gpus"] == 1:
+            single[(r["version"], r["preset"])] = r.get("samples_per_s")
     for row in rows:
         base = single.get((row["version"], row["preset"]))
         if base and row.get("samples_per_s"):
@@ -103,10 +116,11 @@ def table(rows: list[dict]) -> str:
               "MFU", "MiB/GPU")
     lines = markdown_header(header)
     for r in rows:
+        gpus = "1 (no torchrun)" if r.get("launcher") == "none" else str(r["gpus"])
         if "error" in r:
-            lines.append(f"| {r['version']} | {r['preset']} | {r['gpus']} | failed: {r['error']} |")
+            lines.append(f"| {r['version']} | {r['preset']} | {gpus} | failed: {r['error']} |")
             continue
-        cells = (r["version"], r["preset"], str(r["gpus"]), str(r["global_batch_size"]),
+        cells = (r["version"], r["preset"], gpus, str(r["global_batch_size"]),
                  fmt(r["samples_per_s"], ",.0f"), fmt(r["median_step_ms"], ".2f"), fmt(r["speedup"], ".2f", "x"),
                  percent(r["efficiency"]), percent(r["mfu"]), fmt(r["peak_memory_mib_per_gpu"], ",.0f"))
         lines.append(markdown_row(cells))
@@ -121,7 +135,8 @@ def plot(rows: list[dict], path: Path) -> str:
     fig, ax = plt.subplots(figsize=(6, 4))
     for version, preset in series:
         points = sorted((r["gpus"], r["efficiency"]) for r in rows
-                        if (r["version"], r["preset"]) == (version, preset) and r.get("efficiency"))
+                        if (r["version"], r["preset"]) == (version, preset) and r.get("efficiency")
+                        and r.get("launcher") != "none")
         if points:
             ax.plot([g for g, _ in points], [100 * e for _, e in points], marker="o", label=f"{version} {preset}")
     ax.axhline(100, color="gray", linestyle="--", linewidth=1, label="perfect")
@@ -164,6 +179,9 @@ def parse_args(argv):
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=0, help="with --engine deepspeed")
     parser.add_argument("--num-steps", type=positive_int, default=40)
     parser.add_argument("--warmup-steps", type=non_negative_int, default=10)
+    parser.add_argument("--with-single-process", action="store_true",
+                        help="also run each version and preset as one plain process (no torchrun), the reference "
+                             "of the speed-up and efficiency columns")
     parser.add_argument("--timeout", type=positive_int, default=1200, help="seconds allowed per run")
     parser.add_argument("--output-dir", help="where the JSON, table and plot go [benchmarks/results/scaling_TIME]")
     argv = list(argv)
@@ -211,16 +229,19 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for preset in args.presets:
             for version in args.versions:
-                for gpus in args.gpus:
-                    row = run_point(version, preset, gpus, args, Path(scratch))
+                points = [(1, "none")] if args.with_single_process else []
+                for gpus, launcher in points + [(gpus, "torchrun") for gpus in args.gpus]:
+                    row = run_point(version, preset, gpus, args, Path(scratch), launcher)
                     status = row.get("error") or f"{fmt(row.get('samples_per_s'), ',.0f')} samples/s"
-                    print(f"{version} {preset} {gpus} GPU(s): {status}", flush=True)
+                    where = f"{gpus} GPU(s)" if launcher == "torchrun" else "1 process without torchrun"
+                    print(f"{version} {preset} {where}: {status}", flush=True)
                     rows.append(row)
     add_efficiency(rows)
     markdown = table(rows)
     print(markdown)
     result = {"benchmark": "weak scaling", "engine": args.engine, "zero_stage": args.zero_stage,
-              "dtype": args.dtype, "num_steps": args.num_steps, "warmup_steps": args.warmup_steps,
+              "with_single_process": args.with_single_process, "dtype": args.dtype, "num_steps": args.num_steps,
+              "warmup_steps": args.warmup_steps,
               "extra_flags": args.extra, "environment": environment(args.device), "rows": rows}
     write_json(out_dir / "scaling.json", result)
     (out_dir / "scaling.md").write_text(markdown + "\n")

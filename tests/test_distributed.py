@@ -102,7 +102,7 @@ def test_v1_two_ranks_equal_one_process(v1_reference, tmp_path):
     # Throughput is global: the global batch over rank 0's median step time.
     dist_info, timing = metrics["distributed"], metrics["timing"]
     assert dist_info == {"engine": "ddp", "world_size": 2, "backend": "gloo", "batch_size_per_rank": 4,
-                         "global_batch_size": 8, "zero_stage": None}
+                         "global_batch_size": 8, "gradients_averaged_by": "ddp", "zero_stage": None}
     assert metrics["throughput"]["samples_per_s"] == pytest.approx(8 / (timing["median_ms"] / 1e3))
 
 
@@ -215,6 +215,36 @@ def test_scaling_benchmark_cpu_smoke(tmp_path):
     assert [(r["gpus"], r["global_batch_size"]) for r in rows] == [(1, 2), (2, 4)]
     assert rows[0]["efficiency"] == pytest.approx(1.0) and rows[1]["efficiency"] > 0
     assert "| v1 | tiny | 2 | 4 |" in (tmp_path / "out" / "scaling.md").read_text()
+
+
+def test_scaling_benchmark_with_a_single_process_reference(tmp_path):
+    """--with-single-process: a plain process (no torchrun) beside the 1-process torchrun point, as the reference
+    of the speed-up and efficiency columns."""
+    result = run([sys.executable, REPO_ROOT / "benchmarks" / "scaling.py", "--device", "cpu", "--versions", "v1",
+                  "--presets", "tiny", "--gpus", "1", "--with-single-process", "--num-steps", "4",
+                  "--warmup-steps", "1", "--output-dir", tmp_path / "out", "--", *SIZES, "--batch-size", "2"],
+                 cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    rows = json.loads((tmp_path / "out" / "scaling.json").read_text())["rows"]
+    assert [(r["launcher"], r["gpus"]) for r in rows] == [("none", 1), ("torchrun", 1)]
+    assert rows[0]["command"].startswith("python ") and "torch.distributed.run" not in rows[0]["command"]
+    assert rows[1]["command"].startswith("torchrun --standalone --nproc-per-node 1 ")
+    assert rows[0]["efficiency"] == pytest.approx(1.0)
+    assert rows[1]["efficiency"] == pytest.approx(rows[1]["samples_per_s"] / rows[0]["samples_per_s"])
+    assert "| v1 | tiny | 1 (no torchrun) | 2 |" in (tmp_path / "out" / "scaling.md").read_text()
+
+
+def test_scaling_efficiency_reference():
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from scaling import add_efficiency
+    torchrun_only = [{"version": "v4", "preset": "small", "gpus": g, "launcher": "torchrun", "samples_per_s": s}
+                     for g, s in [(1, 100.0), (2, 150.0)]]
+    add_efficiency(torchrun_only)
+    assert [r["efficiency"] for r in torchrun_only] == [1.0, 0.75]
+    plain = {"version": "v4", "preset": "small", "gpus": 1, "launcher": "none", "samples_per_s": 200.0}
+    rows = torchrun_only + [plain]   # the plain process is the reference wherever it stands in the list
+    add_efficiency(rows)
+    assert [r["efficiency"] for r in rows] == [0.5, 0.375, 1.0]
 
 
 def test_slurm_script_dry_run_builds_the_rendezvous_command(tmp_path):
@@ -344,18 +374,38 @@ def test_deepspeed_config_is_built_from_the_flags():
     assert plain["zero_optimization"] == {"stage": 0} and not plain["bf16"]["enabled"]
 
 
-def test_version_4_graph_step_falls_back_to_eager_under_data_parallel():
-    enabled = distributed.DistributedContext(enabled=True, world_size=2, engine="ddp",
-                                             device=torch.device("cuda", 0))
-    args = SimpleNamespace(cuda_graph=True)
-    note = distributed.graph_capture_note(args, torch.device("cuda", 0), enabled)
+def test_version_4_keeps_its_graph_under_ddp_and_falls_back_to_eager_under_deepspeed():
+    from version4_triton_ultra.graphed_step import uses_graph
+    gpu = torch.device("cuda", 0)
+
+    def v4_args(**overrides):
+        return SimpleNamespace(**{"cuda_graph": True, "use_amp": None, "amp_dtype": "bfloat16", **overrides})
+
+    def context(engine):
+        return distributed.DistributedContext(enabled=True, world_size=2, engine=engine, device=gpu)
+
+    # DDP: the graph stays (its step averages the gradients itself), and the note says so.
+    args = v4_args()
+    note = distributed.graph_capture_note(args, gpu, context("ddp"), uses_graph)
+    assert args.cuda_graph is True and "averages gradients inside its CUDA/HIP-graph step" in note
+    assert "without the DDP wrapper" in note and "eager" not in note
+    # DeepSpeed: its engine's hooks cannot be captured; the eager step, and the note says why.
+    args = v4_args()
+    note = distributed.graph_capture_note(args, gpu, context("deepspeed"), uses_graph)
+    assert args.cuda_graph is False and "eager step under DeepSpeed" in note and "Python hooks" in note
+    # DDP without the hook (a version whose step does not average): eager under DDP, as before.
+    args = v4_args()
+    note = distributed.graph_capture_note(args, gpu, context("ddp"))
     assert args.cuda_graph is False and "eager step under DDP" in note
-    single = SimpleNamespace(cuda_graph=True)
-    assert distributed.graph_capture_note(single, torch.device("cuda", 0), distributed.DistributedContext()) is None
+    # float16 AMP: no graph in any case (GradScaler), so no note; the eager step under DDP.
+    args = v4_args(use_amp=True, amp_dtype="float16")
+    assert distributed.graph_capture_note(args, gpu, context("ddp"), uses_graph) is None
+    single = v4_args()
+    assert distributed.graph_capture_note(single, gpu, distributed.DistributedContext(), uses_graph) is None
     assert single.cuda_graph is True                         # a single process keeps its graph
-    on_cpu = SimpleNamespace(cuda_graph=True)
-    assert distributed.graph_capture_note(on_cpu, torch.device("cpu"), enabled) is None   # no graph on a CPU
-    assert distributed.graph_capture_note(SimpleNamespace(), torch.device("cuda", 0), enabled) is None  # v1-v3
+    on_cpu = v4_args()
+    assert distributed.graph_capture_note(on_cpu, torch.device("cpu"), context("ddp"), uses_graph) is None
+    assert distributed.graph_capture_note(SimpleNamespace(), gpu, context("ddp")) is None   # v1-v3
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -376,5 +426,6 @@ def test_two_gpus_equal_one_gpu(version, tmp_path):
     a = np.array(json.loads(out2.read_text())["loss"]["history"])
     b = np.array(json.loads(out1.read_text())["loss"]["history"])
     assert np.abs(a - b).max() < 1e-3 * np.abs(b).max()
-    if version == "v4":
-        assert "version 4 runs its eager step under DDP" in two.stdout
+    if version == "v4":   # the graph-captured step, averaging its own gradients (test_v4_data_parallel.py)
+        assert "averages gradients inside its CUDA/HIP-graph step" in two.stdout
+        assert "gradients averaged in v4's own step" in two.stdout and "eager step" not in two.stdout

@@ -35,7 +35,11 @@ class VersionSpec:
     add_arguments: Callable | None = None        # (parser) -> None: the version's own flags
     check_arguments: Callable | None = None      # (args, device) -> None; raises ConfigError
     describe: Callable | None = None             # (args) -> dict printed in the header and saved in JSON
-    make_step: Callable | None = None            # (model, optimizer, device, train, args) -> step(inputs, targets)
+    make_step: Callable | None = None            # (model, optimizer, device, train, args, gradient_sync=None)
+                                                 #   -> step(inputs, targets), or None for the default step
+    # (args, device) -> bool: under torchrun (DDP), this version's own step averages the gradients over the ranks
+    # for these arguments: the model is not wrapped in DDP and make_step gets gradient_sync (gradient_sync.py).
+    averages_gradients: Callable | None = None
 
 
 # Under torchrun every rank finds the same bad input and rank 0 alone reports it. The others wait this long

@@ -82,10 +82,12 @@ class DistributedContext:
         if not self.enabled:
             return "single process"
         label = {"ddp": "DistributedDataParallel", "deepspeed": "DeepSpeed engine"}.get(self.engine, self.engine)
-        backend = self.backend
-        if backend == "nccl":
-            backend = "nccl (RCCL)" if torch.version.hip else "nccl"
-        return f"{label} over {self.world_size} rank(s) ({backend})"
+        return f"{label} over {self.world_size} rank(s) ({self.backend_label})"
+
+    @property
+    def backend_label(self) -> str | None:
+        """The backend as the header names it: PyTorch's ROCm build calls RCCL "nccl" too."""
+        return "nccl (RCCL)" if self.backend == "nccl" and torch.version.hip else self.backend
 
     # -- collectives the trainer needs (all of them no-ops in a single process) --------------------------------
     def average_(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -225,15 +227,27 @@ def wrap_for_data_parallel(model: torch.nn.Module, context: DistributedContext) 
                                    **{no_buffer_sync: False})
 
 
-def graph_capture_note(args, device: torch.device, context: DistributedContext) -> str | None:
-    """Version 4 replays its whole step from a CUDA/HIP graph. DDP's gradient hooks and DeepSpeed's engine
-    start communication from Python during the backward pass, which a captured graph does not support by
-    default; so a data-parallel run of version 4 uses its eager step. We switch its --cuda-graph off here,
-    before the model is built (its optimizer is then not made capturable), and return the note to print."""
+def graph_capture_note(args, device: torch.device, context: DistributedContext,
+                       averages_gradients=None) -> str | None:
+    """Version 4 replays its whole step from a CUDA/HIP graph; what becomes of that step under data parallel,
+    decided here, early (before the model is built: its optimizer is made capturable only for a graph).
+
+    Under DDP, a version whose own step averages the gradients (its spec's `averages_gradients(args, device)`
+    hook, gradient_sync.py) keeps its graph: the all-reduces are captured in it, without the DDP wrapper.
+    DeepSpeed's engine (and DDP, for a version without that hook) starts communication from Python hooks during
+    the backward pass, which a replayed graph would skip: there --cuda-graph is switched off and the version runs
+    its eager step. Returns the note to print, or None (v1-v3, a single process, the CPU)."""
     if not context.enabled or not getattr(args, "cuda_graph", False):
         return None
+    if context.engine == "ddp" and averages_gradients is not None:
+        if not averages_gradients(args, device):
+            return None   # no graph for these arguments anyway (e.g. float16 AMP), as in a single process
+        return ("version 4 averages gradients inside its CUDA/HIP-graph step (NCCL/RCCL all-reduce captured in "
+                "the graph), without the DDP wrapper")
     args.cuda_graph = False
     if device.type != "cuda":
         return None   # on the CPU the graph was never going to be used
-    return ("the CUDA/HIP-graph step cannot capture data-parallel communication; version 4 runs its eager "
-            "step under " + ("DeepSpeed" if context.engine == "deepspeed" else "DDP"))
+    if context.engine == "deepspeed":
+        return ("DeepSpeed's engine launches its communication from Python hooks, which a CUDA/HIP graph cannot "
+                "replay; version 4 runs its eager step under DeepSpeed")
+    return "the CUDA/HIP-graph step cannot capture DDP's communication; version 4 runs its eager step under DDP"

@@ -32,7 +32,8 @@ class WeightGradientStream:
     so at most about one layer's operands are held (the oldest GEMM has usually finished by then anyway).
 
     Used by the graph-captured step (a CUDA/HIP graph records both streams and the events between them). Not
-    under data parallel: DDP starts its all-reduces from autograd's gradient hooks, which this bypasses.
+    with the DDP wrapper: DDP starts its all-reduces from autograd's gradient hooks, which this bypasses; under
+    torchrun the graph-captured step averages the gradients itself (tinytransformer/gradient_sync.py).
     """
 
     def __init__(self, device: torch.device, max_pending: int = 4):

@@ -23,12 +23,22 @@ class GraphedStep:
     trainer reads it only when it prints. With `weight_gradient_stream` (the default) the graph holds two
     streams: the projections' weight-gradient GEMMs run beside the rest of the backward pass (this switches the
     model's WeightGradientStream on or off).
+
+    Under torchrun (DDP), `gradient_sync` (tinytransformer/gradient_sync.py) averages the gradients over the ranks
+    inside the step, so the graph captures the all-reduces too; the model is not wrapped in DDP, whose hooks
+    would miss the gradients the weight-gradient stream writes. The loss is scaled by 1/ranks before backward and
+    the gradients are summed: group by group, each just before the optimizer updates it, so that the first
+    group's all-reduces (with the early update, below) overlap layer 0's backward pass. The eager warm-up steps
+    take the same path: their all-reduces are real, and they set NCCL's communication up before the capture
+    (check_arguments requires --graph-warmup-steps >= 1).
     """
 
     supports_breakdown = False
 
-    def __init__(self, model, optimizer, device, train, warmup_steps: int = 3, weight_gradient_stream=True):
+    def __init__(self, model, optimizer, device, train, warmup_steps: int = 3, weight_gradient_stream=True,
+                 gradient_sync=None):
         self.model, self.optimizer, self.device = model, optimizer, device
+        self.gradient_sync = gradient_sync
         model.use_weight_gradient_stream(weight_gradient_stream)
         self.autocast_dtype = getattr(torch, train.amp_dtype) if train.use_amp else None
         self.warmup_steps, self.calls = warmup_steps, 0
@@ -40,8 +50,19 @@ class GraphedStep:
         self.updates_early = (weight_gradient_stream and hasattr(optimizer, "step_groups")
                               and len(optimizer.param_groups) > 1)
 
+    def _sum_gradients(self, group_indices) -> None:
+        """Under data parallel: these groups' gradients summed over the ranks (already scaled by 1/ranks)."""
+        if self.gradient_sync is not None:
+            for index in group_indices:
+                self.gradient_sync.sum_(self.optimizer.param_groups[index]["params"])
+
     def _update_first_group(self):
-        self.model.weight_grad_stream.run_after_queued(lambda: self.optimizer.step_groups([0]))
+        # On the weight-gradient stream, after its GEMMs: the first group's all-reduces, then its update, both
+        # beside layer 0's backward pass on the main stream.
+        def sum_and_update():
+            self._sum_gradients([0])
+            self.optimizer.step_groups([0])
+        self.model.weight_grad_stream.run_after_queued(sum_and_update)
 
     def _step(self, inputs, targets):
         # The model calls back during the backward pass of THIS step only: set for the step, then removed, so
@@ -54,14 +75,19 @@ class GraphedStep:
                 with profile_range("forward"):
                     _, loss = self.model(inputs, targets)
             with profile_range("backward"):
-                loss.backward()
+                # Under data parallel the gradients come out divided by the number of ranks, so that their sum
+                # over the ranks is the average (gradient_sync.py); at one rank the scale is exactly 1.
+                (loss * self.gradient_sync.loss_scale if self.gradient_sync is not None else loss).backward()
                 self.model.join_weight_gradients()   # with the second stream: its GEMMs finish before the optimizer
         finally:
             self.model.early_update = None
         with profile_range("optimizer"):
-            if self.updates_early:   # the first group was updated during the backward pass
-                self.optimizer.step_groups(range(1, len(self.optimizer.param_groups)))
+            if self.updates_early:   # the first group was summed and updated during the backward pass
+                rest = range(1, len(self.optimizer.param_groups))
+                self._sum_gradients(rest)
+                self.optimizer.step_groups(rest)
             else:
+                self._sum_gradients(range(len(self.optimizer.param_groups)))
                 self.optimizer.step()
         return loss.detach()
 
@@ -93,8 +119,10 @@ class GraphedStep:
         return self.static_loss
 
 
-def make_step(model, optimizer, device, train, args):
+def make_step(model, optimizer, device, train, args, gradient_sync=None):
+    """Version 4's make_step hook. gradient_sync comes only where uses_graph says True (version 4's
+    averages_gradients hook): under DDP otherwise, the model arrives wrapped and the eager step needs none."""
     if uses_graph(args, device):
         return GraphedStep(model, optimizer, device, train, warmup_steps=args.graph_warmup_steps,
-                           weight_gradient_stream=args.weight_grad_stream)
+                           weight_gradient_stream=args.weight_grad_stream, gradient_sync=gradient_sync)
     return EagerStep(model, optimizer, device, train)

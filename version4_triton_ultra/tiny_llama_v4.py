@@ -35,7 +35,9 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      pass reaches layer 0, the later layers' projection weights and the output head have their final gradients:
      the optimizer updates them there, on the second stream, while layer 0's backward runs (CallDuringBackward);
      the rest after the backward pass. With --torch-adamw the bfloat16 weight copy runs on the second stream
-     instead, beside the embedding lookup and first norm, which do not need it.
+     instead, beside the embedding lookup and first norm, which do not need it. Under torchrun the step also
+     averages the gradients over the ranks with all-reduces captured in the graph (the first group's beside
+     layer 0's backward), instead of the DDP wrapper (tinytransformer/gradient_sync.py).
  10. TF32 tensor cores for float32 matmuls (--no-tf32 for exact float32): the same precision Triton already
      uses for float32 tl.dot.
 
@@ -482,8 +484,11 @@ def describe(args) -> dict:
 
 
 # The training step is a strategy of its own (graphed_step.py): the graph-captured step on a GPU, else eager.
+# Under torchrun the graph-captured step averages the gradients itself (all-reduces inside the graph), so the
+# harness does not wrap the model in DDP whenever that step runs (averages_gradients).
 SPEC = VersionSpec(name="v4", title="Triton ultra-fused", build_model=build_model, add_arguments=add_arguments,
-                   check_arguments=check_arguments, describe=describe, make_step=graphed_step.make_step)
+                   check_arguments=check_arguments, describe=describe, make_step=graphed_step.make_step,
+                   averages_gradients=graphed_step.uses_graph)
 
 
 def main(argv=None):

@@ -28,7 +28,9 @@ def print_header(run) -> None:
             f"({train.warmup_steps} warm-up), lr {train.learning_rate}, {precision}, seed {train.seed}")
     if run.dist.enabled:
         world = run.dist.world_size
-        run.log(f"parallel    : {run.dist.describe()}, global batch {train.batch_size * world} = "
+        mode = (run.gradient_sync.describe(f"{run.spec.name}'s own step") if run.gradient_sync is not None
+                else run.dist.describe())
+        run.log(f"parallel    : {mode}, global batch {train.batch_size * world} = "
                 f"{world} x {train.batch_size} per rank; times are rank 0's")
     for key, value in run.variant_description().items():
         run.log(f"{key:<12}: {value}")

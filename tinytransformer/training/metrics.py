@@ -74,6 +74,10 @@ def build_metrics(run, loss_values: list[float], timed_ms: list[float], wall_sec
         "distributed": {"engine": run.dist.engine, "world_size": run.dist.world_size,
                         "backend": run.dist.backend, "batch_size_per_rank": train.batch_size,
                         "global_batch_size": run.global_batch,
+                        # who averages the gradients: DDP's wrapper, DeepSpeed's engine, or the version's own step
+                        # (version 4's graph: gradient_sync.py); None in a single process
+                        "gradients_averaged_by": (None if not run.dist.enabled else "step" if run.gradient_sync
+                                                  else run.dist.engine),
                         "zero_stage": (run.engine.zero_optimization_stage()
                                        if run.dist.engine == "deepspeed" else None)},
         "loss": {

@@ -33,6 +33,7 @@ from .. import deepspeed_engine, distributed
 from ..config import ConfigError, ModelConfig, TrainConfig
 from ..data import BatchStream, build_corpora
 from ..device import reset_peak_memory, resolve_device, synchronize
+from ..gradient_sync import GradientAllReduce
 from ..outputs import write_json
 from ..weights import init_canonical_weights
 from .checkpoint.manager import CheckpointManager
@@ -82,7 +83,8 @@ class Trainer:
         self.dist = distributed.setup(train, self.device)
         self.device = self.dist.device
         check_run_fits(spec.name, model_config, train, self.device, self.dist.world_size)
-        self.setup_notes = [note for note in [distributed.graph_capture_note(args, self.device, self.dist)] if note]
+        note = distributed.graph_capture_note(args, self.device, self.dist, spec.averages_gradients)
+        self.setup_notes = [note] if note else []
         self.checkpoints = CheckpointManager(spec.name, train, self.dist, self.log, argv)
 
     def log(self, text: str = "") -> None:
@@ -122,17 +124,30 @@ class Trainer:
         # After the restore: a step that captures a CUDA/HIP graph must see the restored tensors.
         self.phase_timer = StepTimer(self.device) if train.timing_breakdown else None
         # self.model stays the UNWRAPPED model (load_canonical, checkpoints, validation); the step calls
-        # self.train_model: DDP around it under torchrun, the model itself in a single process.
+        # self.train_model: DDP around it under torchrun, the model itself in a single process (or when the
+        # version's own step averages the gradients).
+        self.gradient_sync = None   # set when the version's own step averages the gradients (no DDP wrapper)
         if self.dist.engine == "deepspeed":
             self.engine = deepspeed_engine.initialize_deepspeed(self.model, self.optimizer, self.deepspeed_config,
                                                                 self.dist)
             self.step_fn = deepspeed_engine.DeepSpeedStep(self.engine)
             self.train_model = self.engine
         else:
-            self.train_model = distributed.wrap_for_data_parallel(self.model, self.dist)
+            # Under DDP a version's own step may average the gradients itself (v4's graph: gradient_sync.py);
+            # then the model is not wrapped, and the step gets the all-reduce to use.
+            self.gradient_sync = (GradientAllReduce(self.dist) if self.dist.engine == "ddp"
+                                  and self.spec.averages_gradients is not None
+                                  and self.spec.averages_gradients(self.args, self.device) else None)
+            self.train_model = (self.model if self.gradient_sync is not None
+                                else distributed.wrap_for_data_parallel(self.model, self.dist))
             # A version may supply its own step (v4: a captured graph); None from its hook means the default.
-            custom = (self.spec.make_step(self.train_model, self.optimizer, self.device, train, self.args)
+            custom = (self.spec.make_step(self.train_model, self.optimizer, self.device, train, self.args,
+                                          gradient_sync=self.gradient_sync)
                       if self.spec.make_step is not None else None)
+            if self.gradient_sync is not None and getattr(custom, "gradient_sync", None) is not self.gradient_sync:
+                # Without DDP nothing else would average the gradients: the ranks would silently drift apart.
+                raise RuntimeError(f"{self.spec.name}'s averages_gradients hook said its step averages the "
+                                   f"gradients, but make_step returned a step that does not use gradient_sync")
             self.step_fn = custom or EagerStep(self.train_model, self.optimizer, self.device, train,
                                                self.phase_timer)
         if resume is not None:

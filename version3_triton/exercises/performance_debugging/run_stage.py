@@ -30,7 +30,8 @@ def build_model(config, args):
     return tiny_llama_v3.TinyLlama(config) if stage == 5 else stages.build_model(stage, config)
 
 
-def make_step(model, optimizer, device, train, args):
+def make_step(model, optimizer, device, train, args, gradient_sync=None):
+    # gradient_sync stays None: version 3's spec has no averages_gradients hook (DDP averages its gradients).
     return stages.make_step(getattr(args, "stage", 5), model, optimizer, device, train, args)
 
 

@@ -1,0 +1,149 @@
+"""GradientAllReduce (tinytransformer/gradient_sync.py) on the CPU with gloo, and the trainer's choice between the
+DDP wrapper and a version's own gradient averaging (version 4's graph-captured step on a GPU; here a stand-in
+step, tests/own_averaging_v1.py). The GPU runs of version 4 itself are in test_v4_data_parallel.py."""
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tinytransformer import distributed
+from tinytransformer.cli import build_parser, resolve_configs
+from tinytransformer.gradient_sync import GradientAllReduce
+from tinytransformer.training.trainer import Trainer
+
+from . import own_averaging_v1
+from .test_distributed import GLOBAL_BATCH, RANKS, RUN, SIZES, TORCHRUN, assert_same_training, run, single_process
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def context_of(rank: int, world: int) -> distributed.DistributedContext:
+    return distributed.DistributedContext(True, rank, rank, world, "gloo", "ddp", torch.device("cpu"))
+
+
+def two_rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Each rank: gradients that differ by rank, one parameter without a gradient; then loss_scale and sum_."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)   # the same weights and inputs on every rank: only the rank factor differs
+        a, unused, c = (torch.nn.Parameter(torch.randn(shape)) for shape in [(3, 5), (4,), (7,)])
+        x = torch.randn(5)
+        sync = GradientAllReduce(context_of(rank, world))
+        loss = (rank + 1) * ((a @ x).sum() + (c ** 2).sum())
+        (loss * sync.loss_scale).backward()
+        reduced = []
+        original = dist.all_reduce
+
+        def recording(tensor, **kwargs):   # which tensors are reduced, in which order
+            reduced.append(tuple(tensor.shape))
+            return original(tensor, **kwargs)
+
+        dist.all_reduce = recording
+        try:
+            sync.sum_([a, unused, c])
+        finally:
+            dist.all_reduce = original
+        torch.save({"a": a.grad, "unused": unused.grad, "c": c.grad, "order": reduced, "scale": sync.loss_scale,
+                    "x": x, "a_value": a.detach(), "c_value": c.detach()}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_hold_the_mean_gradient_after_scale_and_sum(tmp_path):
+    mp.spawn(two_rank_worker, args=(2, distributed.free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    mean_factor = (1 + 2) / 2   # rank r's gradient is (r + 1) x the rank-free one
+    for got in results:
+        assert got["scale"] == 0.5
+        assert got["unused"] is None                            # no gradient: skipped, not created
+        assert got["order"] == [(3, 5), (7,)]                   # the given order, without the skipped one
+        torch.testing.assert_close(got["a"], mean_factor * got["x"].expand(3, 5), rtol=1e-6, atol=0)
+        torch.testing.assert_close(got["c"], mean_factor * 2 * got["c_value"], rtol=1e-6, atol=0)
+    assert torch.equal(results[0]["a"], results[1]["a"]) and torch.equal(results[0]["c"], results[1]["c"])
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """This process as the only rank of a gloo job, as `torchrun --nproc-per-node 1` would start it."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(distributed.free_port())}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    yield
+    distributed.shutdown()
+
+
+def test_world_of_one_scale_is_one_and_sum_is_the_identity(world_of_one):
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    sync = GradientAllReduce(context_of(0, 1))
+    assert sync.loss_scale == 1.0
+    param = torch.nn.Parameter(torch.zeros(1000))
+    param.grad = torch.randn(1000) * torch.logspace(-30, 30, 1000)
+    before = param.grad.clone()
+    sync.sum_([param])
+    assert torch.equal(param.grad, before)
+    with pytest.raises(ValueError, match="data-parallel"):
+        GradientAllReduce(distributed.DistributedContext())
+
+
+def train_in_process(spec, argv) -> tuple[Trainer, str, list]:
+    args = build_parser(spec).parse_args(argv)
+    model_config, train_config = resolve_configs(args)
+    out = io.StringIO()
+    trainer = Trainer(spec, model_config, train_config, args, out=out, argv=argv)
+    result = trainer.run()
+    return trainer, out.getvalue(), result.losses
+
+
+ONE_RANK = SIZES + ["--num-steps", "3", "--batch-size", "4", "--log-every", "1"]
+
+
+def test_trainer_uses_the_versions_own_averaging_without_ddp(world_of_one, monkeypatch):
+    trainer, out, losses = train_in_process(own_averaging_v1.SPEC, ONE_RANK)
+    assert trainer.train_model is trainer.model                       # no DDP wrapper
+    assert isinstance(trainer.gradient_sync, GradientAllReduce) and trainer.gradient_sync.loss_scale == 1.0
+    assert trainer.step_fn.gradient_sync is trainer.gradient_sync and trainer.step_fn.sums == 3
+    assert ("parallel    : gradients averaged in v1's own step (all-reduce, no DDP wrapper) over 1 rank(s) "
+            "(gloo), global batch 4") in out
+    distributed.shutdown()
+    # At one rank the scale is exactly 1 and the SUM is the identity: the losses of a plain process, bit for bit.
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name)
+    _, _, plain = train_in_process(own_averaging_v1.SPEC, ONE_RANK)
+    assert losses == plain and len(plain) == 3
+
+
+def test_trainer_keeps_ddp_when_the_hook_says_no(world_of_one):
+    from torch.nn.parallel import DistributedDataParallel
+    given = []
+    spec = dataclasses.replace(own_averaging_v1.SPEC, averages_gradients=lambda args, device: False,
+                               make_step=lambda *a, gradient_sync=None: given.append(gradient_sync))
+    trainer, out, _ = train_in_process(spec, ONE_RANK)
+    assert isinstance(trainer.train_model, DistributedDataParallel) and trainer.gradient_sync is None
+    assert given == [None] and "DistributedDataParallel over 1 rank(s) (gloo)" in out
+
+
+def test_a_step_that_ignores_gradient_sync_is_refused(world_of_one):
+    spec = dataclasses.replace(own_averaging_v1.SPEC, make_step=lambda *a, gradient_sync=None: None)
+    with pytest.raises(RuntimeError, match="does not use gradient_sync"):
+        train_in_process(spec, ONE_RANK)
+
+
+def test_two_ranks_averaging_their_own_gradients_equal_one_process(tmp_path):
+    """The whole path on 2 gloo ranks: each rank's loss scaled by 1/2, gradients summed: the single-process run
+    with the global batch, step by step (as DDP gives in test_distributed.py)."""
+    reference = single_process("v1", tmp_path)
+    out = tmp_path / "own.json"
+    result = run(TORCHRUN + ["--standalone", "--nproc-per-node", RANKS, REPO_ROOT / "tests" / "own_averaging_v1.py",
+                             *RUN, "--batch-size", GLOBAL_BATCH // RANKS, "--output-json", out], cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "gradients averaged in v1's own step (all-reduce, no DDP wrapper) over 2 rank(s) (gloo)" in result.stdout
+    metrics = json.loads(out.read_text())
+    assert metrics["distributed"]["gradients_averaged_by"] == "step" and reference["distributed"][
+        "gradients_averaged_by"] is None
+    assert_same_training(metrics, reference)

@@ -1,0 +1,56 @@
+"""Gradient averaging for a training step that does its own data-parallel communication (no DDP wrapper).
+
+Why a step would. DistributedDataParallel starts its all-reduces from gradient hooks that autograd calls as each
+gradient is accumulated. Version 4's graph-captured step computes the projections' weight gradients on a second
+stream and writes `weight.grad` itself (WeightGradientStream in version4_triton_ultra/backward_overlap.py), so
+autograd never sees those gradients and DDP's hooks would never fire for them; and DDP's Python-side bookkeeping
+(buckets, the "ready" counts of each backward pass) is host logic that a replayed CUDA/HIP graph would skip. So
+that step averages the gradients itself, with plain all-reduces that the graph captures like any other kernel:
+a synchronous `dist.all_reduce` on the current stream. PyTorch's NCCL process group (RCCL on ROCm) runs it on a
+stream of its own, ordered after the current stream and back with events, and stream capture records those
+events, so the collective becomes a node of the graph and runs again at every replay.
+
+Why the loss is scaled instead of the gradients divided. The average gradient over N ranks is
+sum_r grad_r / N. The step multiplies its loss by `loss_scale` = 1/N before backward, so each rank's gradients
+come out already divided by N, and a SUM all-reduce yields the average: no extra pass over every gradient after
+the all-reduce. At world size 1 the scale is exactly 1 and an in-place SUM over one rank leaves every value as
+it was, so `torchrun --nproc-per-node 1` trains bit-for-bit like a single process while paying for the
+communication path (what a scaling measurement needs as its first point).
+
+Every rank must issue the same all-reduces in the same order (a collective matches calls by order), so
+`sum_` walks the parameters in the order given (the model's, identical on every rank) and skips exactly those
+without a gradient (the same ones on every rank: the same model, the same step). The weights need no broadcast
+at the start: every rank builds them from the same seed or loads the same checkpoint (DDP would broadcast rank
+0's; here they are equal already).
+
+Works with gloo on the CPU too (the tests use it); there nothing is captured.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+class GradientAllReduce:
+    """Averages gradients over the ranks of a data-parallel run: scale the loss by `loss_scale` before backward,
+    then `sum_` the parameters' gradients."""
+
+    def __init__(self, context):
+        if not context.enabled:
+            raise ValueError("GradientAllReduce needs a data-parallel run (a process group)")
+        self.context = context
+        self.loss_scale = 1.0 / context.world_size
+
+    def sum_(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Replace each parameter's gradient by its sum over the ranks, in place, on the current stream."""
+        for param in params:
+            if param.grad is not None:
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+
+    def describe(self, where: str) -> str:
+        """For the run's header, e.g. 'gradients averaged in v4's own step (all-reduce, no DDP wrapper) over 2
+        rank(s) (nccl)'."""
+        return (f"gradients averaged in {where} (all-reduce, no DDP wrapper) over {self.context.world_size} "
+                f"rank(s) ({self.context.backend_label})")

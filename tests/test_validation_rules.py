@@ -160,14 +160,19 @@ def test_host_memory_is_known_here():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["tiny", "small", "medium", "large"])
-def test_gpu_estimate_within_25_percent_of_the_measured_peak(preset, tmp_path, capsys):
+def test_gpu_estimate_within_25_percent_of_the_measured_peak(preset, tmp_path):
+    """In a process of its own, as a user runs it: in the test process, memory that earlier tests still hold
+    would count towards the measured peak."""
     from tinytransformer.config import preset_path, split_settings
     out = tmp_path / "m.json"
-    code = v1_main(["--preset", preset, "--num-steps", "3", "--device", "cuda", "--output-json", str(out)])
-    assert code == 0, capsys.readouterr().err
+    script = REPO_ROOT / "version1_pytorch_baseline" / "tiny_llama_v1.py"
+    result = subprocess.run([sys.executable, str(script), "--preset", preset, "--num-steps", "3", "--device", "cuda",
+                             "--output-json", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
     model_settings, train_settings = split_settings(load_yaml(preset_path(preset)))
     estimate = estimate_run_bytes(ModelConfig(**model_settings), TrainConfig(**train_settings))
     measured = json.loads(out.read_text())["memory"]["peak_allocated_mib"] * 2**20
+    print(f"{preset}: estimate {estimate.device_total / 2**20:,.0f} MiB, measured peak {measured / 2**20:,.0f} MiB")
     assert abs(estimate.device_total - measured) <= 0.25 * measured, (estimate, measured)
 
 

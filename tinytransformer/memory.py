@@ -38,12 +38,15 @@ def activation_bytes(model: ModelConfig, batch: int, seq: int, element_bytes: in
                      score_matrix: bool = True) -> int:
     """What autograd keeps for the backward pass, per process. Per token and layer: the norms' inputs and
     outputs, q, k, v and their rotated copies, the attention output, the residuals (~12 x D), the SwiGLU gate, up,
-    activation and product (4 x F); with `score_matrix` (versions 1 and 2's unfused path) the S x S scores and
-    probabilities per head. Plus the logits, their float32 copy for the loss and its gradient (3 x V per token)."""
+    activation and product (4 x F); with `score_matrix` (version 1's unfused attention) the S x S probabilities
+    per head. Plus the logits, their float32 copy for the loss and its gradient (3 x V per token)."""
     tokens = batch * seq
     per_layer = tokens * (12 * model.hidden_dim + 4 * model.intermediate_size) * element_bytes
     if score_matrix:
-        per_layer += 2 * batch * model.num_heads * seq * seq * max(element_bytes, 4)   # softmax runs in float32
+        # Only the softmax's output is kept (masked_fill keeps its mask, not the scores): in float32, where the
+        # softmax runs, and under autocast also the 16-bit copy that the probabilities @ v matmul saves.
+        kept_bytes = 4 + (element_bytes if element_bytes < 4 else 0)
+        per_layer += batch * model.num_heads * seq * seq * kept_bytes
     logits = tokens * model.vocab_size * (element_bytes + 2 * 4)
     return model.num_layers * per_layer + logits
 

@@ -39,18 +39,22 @@ GLOBAL_BATCH, RANKS = 8, 2
 LOSS_RTOL = 1e-5   # float32: only the order of the sums differs (gradient all-reduce, loss averages)
 
 
-def clean_env(**extra) -> dict:
+def clean_env(on_gpu: bool = False, **extra) -> dict:
     """The environment of a child run: one thread per process (as torchrun sets it), no launcher variables
-    inherited from whoever started pytest, Triton's interpreter for versions 3 and 4."""
+    inherited from whoever started pytest; Triton's interpreter for versions 3 and 4 on the CPU, never on a GPU
+    (there the kernels are compiled; the interpreter cannot run them on GPU tensors)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", TRITON_INTERPRET="1", **extra)
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "TRITON_INTERPRET")}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    if not on_gpu:
+        env["TRITON_INTERPRET"] = "1"
     return env
 
 
-def run(command, cwd, timeout=240) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in command], cwd=cwd, env=clean_env(), capture_output=True, text=True,
-                          timeout=timeout)
+def run(command, cwd, timeout=240, on_gpu=False) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in command], cwd=cwd, env=clean_env(on_gpu), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def single_process(version: str, tmp_path: Path, *extra) -> dict:
@@ -419,9 +423,10 @@ def test_two_gpus_equal_one_gpu(version, tmp_path):
     GPU runs differ slightly more than float32 on the CPU."""
     gpu = [arg if arg != "cpu" else "cuda" for arg in RUN]
     out1, out2 = tmp_path / "one.json", tmp_path / "two.json"
-    one = run([sys.executable, SCRIPTS[version], *gpu, "--batch-size", 8, "--output-json", out1], cwd=tmp_path)
+    one = run([sys.executable, SCRIPTS[version], *gpu, "--batch-size", 8, "--output-json", out1], cwd=tmp_path,
+              on_gpu=True)
     two = run(TORCHRUN + ["--standalone", "--nproc-per-node", 2, SCRIPTS[version], *gpu, "--batch-size", 4,
-                          "--output-json", out2], cwd=tmp_path)
+                          "--output-json", out2], cwd=tmp_path, on_gpu=True)
     assert one.returncode == 0 and two.returncode == 0, (two.stdout + two.stderr)[-3000:]
     a = np.array(json.loads(out2.read_text())["loss"]["history"])
     b = np.array(json.loads(out1.read_text())["loss"]["history"])

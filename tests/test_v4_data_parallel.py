@@ -23,7 +23,7 @@ def v4_losses(tmp_path, name, ranks, batch, *flags):
     out = tmp_path / f"{name}.json"
     launcher = [sys.executable] if ranks is None else TORCHRUN + ["--standalone", "--nproc-per-node", ranks]
     result = run(launcher + [SCRIPTS["v4"], *GPU_RUN, "--batch-size", batch, "--output-json", out, *flags],
-                 cwd=tmp_path)
+                 cwd=tmp_path, on_gpu=True)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     return result.stdout, np.array(json.loads(out.read_text())["loss"]["history"])
 

@@ -17,7 +17,7 @@ from .doc_shim import split_python_argv
 REPO = Path(__file__).resolve().parent.parent
 # The test files that run documented commands: a documented pytest command naming one of them would run the
 # documents' commands again from inside a documented command.
-DOC_TEST_FILES = ("test_docs_commands.py", "test_docs_cpu_blocks.py")
+DOC_TEST_FILES = ("test_docs_commands.py", "test_docs_cpu_blocks.py", "test_docs_gpu_blocks.py")
 TIMEOUT_S = int(os.environ.get("DOCS_COMMAND_TIMEOUT", "300"))
 MAX_SKIPPED_FRACTION = 0.10
 
@@ -179,6 +179,7 @@ DOC_COMMANDS = collect_commands()
 # ------------------------------------------------------------------------------------------------------
 CPU_LABEL = re.compile(r"^# CPU \(2 cores: about (\d+(?:\.\d+)?) (s|min)\)$")
 GPU_LABEL = re.compile(r"^# GPU(?: \([^()]*\))?$")
+GPU_TIMED_LABEL = re.compile(r"^# GPU \(H100: about (\d+(?:\.\d+)?) (s|min)\)$")   # measured: test_docs_gpu_blocks.py
 LABEL_FORMS = "'# CPU (2 cores: about N s)', '# CPU (2 cores: about N min)', '# GPU' or '# GPU (...)'"
 CPU_COMMAND_LIMIT_S = 90   # one command of a CPU block, as written, on a 2-core machine
 CPU_TIME_FACTOR = 2        # a CPU block may take up to this multiple of the time its label states ...

@@ -239,7 +239,8 @@ def main(argv=None) -> int:
     add_efficiency(rows)
     markdown = table(rows)
     print(markdown)
-    result = {"benchmark": "weak scaling", "engine": args.engine, "zero_stage": args.zero_stage,
+    command = " ".join(["python", "benchmarks/scaling.py", *map(shlex.quote, sys.argv[1:])])
+    result = {"benchmark": "weak scaling", "command": command, "engine": args.engine, "zero_stage": args.zero_stage,
               "with_single_process": args.with_single_process, "dtype": args.dtype, "num_steps": args.num_steps,
               "warmup_steps": args.warmup_steps,
               "extra_flags": args.extra, "environment": environment(args.device), "rows": rows}

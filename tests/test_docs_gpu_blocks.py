@@ -1,7 +1,7 @@
 """Every block of documented commands labelled `# GPU` runs as written on a GPU (-m "gpu and slow"), and once it has
 been measured its label states the time it took there: `# GPU (H100: about N s)`.
 
-The times are measured with this file on one H100 and committed in benchmarks/results/docs_gpu_block_times.json
+The times are measured with this file on one H100 and committed in benchmarks/results/docs/gpu_block_times.json
 (machine, command, seconds per block):
 
     TT_DOCS_GPU_TIMES=gpu_times.jsonl python -m pytest -q -m "gpu and slow" tests/test_docs_gpu_blocks.py -s
@@ -26,7 +26,7 @@ from .doc_commands import (DOC_BLOCKS, GPU_TIMED_LABEL, REPO, allowed_exit_codes
                            label_of, run_command)
 
 GPU_BLOCKS = [(block, commands) for block, commands in DOC_BLOCKS if label_of(block)[0] == "gpu"]
-MEASURED = REPO / "benchmarks" / "results" / "docs_gpu_block_times.json"
+MEASURED = REPO / "benchmarks" / "results" / "docs" / "gpu_block_times.json"
 GPU_COMMAND_LIMIT_S = 600   # one command of a GPU block (the profiler scripts run several training runs)
 
 
@@ -36,7 +36,7 @@ def label_time(seconds: float) -> str:
 
 
 def test_gpu_labels_state_the_measured_times():
-    """A GPU block measured on the H100 (benchmarks/results/docs_gpu_block_times.json) states that time in its
+    """A GPU block measured on the H100 (benchmarks/results/docs/gpu_block_times.json) states that time in its
     label, and a label states no time that was not measured. Blocks not measured yet keep the plain `# GPU`."""
     measured = json.loads(MEASURED.read_text())["blocks"]
     problems = []

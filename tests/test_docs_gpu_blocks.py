@@ -6,9 +6,9 @@ The times are measured with this file on one H100 and committed in benchmarks/re
 
     TT_DOCS_GPU_TIMES=gpu_times.jsonl python -m pytest -q -m "gpu and slow" tests/test_docs_gpu_blocks.py -s
 
-which appends one JSON line per command (file, line, seconds) to the file it names. With TT_DOCS_GPU_DONE=FILE,
-the blocks already listed in FILE (a times file of an earlier, interrupted run) are skipped, so a long
-measurement can be finished in several sittings.
+which appends one JSON line per block (block, seconds) to the file it names. With TT_DOCS_GPU_DONE=FILE, the
+blocks already listed in FILE (a times file of an earlier, interrupted run, or the committed measurements) are
+skipped, so a long measurement can be finished in several sittings.
 """
 from __future__ import annotations
 
@@ -56,12 +56,17 @@ def test_gpu_labels_state_the_measured_times():
 
 
 def blocks_done_before() -> set[str]:
-    """Blocks (path:line of the fence) recorded in TT_DOCS_GPU_DONE's times file: measured already."""
+    """Blocks (path:line of the fence) already measured, to skip: those of TT_DOCS_GPU_DONE, a times file of an
+    earlier, interrupted run (one JSON line per block) or the committed measurements (MEASURED's format)."""
     done_file = os.environ.get("TT_DOCS_GPU_DONE")
     if not done_file or not os.path.exists(done_file):
         return set()
     with open(done_file) as records:
-        return {json.loads(line)["block"] for line in records if line.strip()}
+        text = records.read()
+    try:
+        return set(json.loads(text)["blocks"])
+    except (ValueError, KeyError, TypeError):
+        return {json.loads(line)["block"] for line in text.splitlines() if line.strip()}
 
 
 @pytest.fixture(scope="session")

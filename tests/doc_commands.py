@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
 import shutil
 import signal
+import stat
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -285,6 +288,18 @@ def failure_report(command: DocCommand, result, tail: int = 40) -> str:
         {command.text}
         last {min(tail, len(output))} lines of its output:
         """) + "\n".join(output[-tail:])
+
+
+def python_shims(root: Path) -> Path:
+    """root/bin holding `python` and `python3` that start the interpreter running the tests (put it first on
+    PATH): a documented command then runs with the packages the tests see."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir()
+    for name in ("python", "python3"):
+        path = bin_dir / name
+        path.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return bin_dir
 
 
 def copy_repository(root: Path) -> Path:

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
-import stat
 import subprocess
-import sys
 import time
 
 import pytest
 
 from .doc_commands import (CPU_BLOCKS, CPU_COMMAND_LIMIT_S, CPU_TIME_FACTOR, CPU_TIME_SLACK_S, DOC_BLOCKS, LABEL_FORMS,
-                           allowed_exit_codes, copy_repository, failure_report, label_of, run_command,
-                           workshop_scripts)
+                           allowed_exit_codes, copy_repository, failure_report, label_of, python_shims,
+                           run_command, workshop_scripts)
 
 
 def test_workshop_commands_are_labelled():
@@ -52,12 +49,7 @@ def cpu_sandbox(tmp_path_factory):
     even a GPU machine runs everything on its CPU; `python` and `python3` start the interpreter running the tests."""
     root = tmp_path_factory.mktemp("docs_cpu_commands")
     repo = copy_repository(root)
-    bin_dir = root / "bin"
-    bin_dir.mkdir()
-    for name in ("python", "python3"):
-        path = bin_dir / name
-        path.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
-        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    bin_dir = python_shims(root)
     env = dict(os.environ)
     for name in ("TT_NVTX", "PYTHONPATH", "TRITON_INTERPRET", "WORKSHOP_SMOKE", "PYTHON"):
         env.pop(name, None)

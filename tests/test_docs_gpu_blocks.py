@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
-import stat
 import subprocess
-import sys
 import time
 
 import pytest
 
 from .doc_commands import (DOC_BLOCKS, GPU_TIMED_LABEL, REPO, allowed_exit_codes, copy_repository, failure_report,
-                           label_of, run_command)
+                           label_of, python_shims, run_command)
 
 GPU_BLOCKS = [(block, commands) for block, commands in DOC_BLOCKS if label_of(block)[0] == "gpu"]
 MEASURED = REPO / "benchmarks" / "results" / "docs" / "gpu_block_times.json"
@@ -75,12 +72,7 @@ def gpu_sandbox(tmp_path_factory):
     TRITON_INTERPRET; `python` and `python3` start the interpreter running the tests."""
     root = tmp_path_factory.mktemp("docs_gpu_commands")
     repo = copy_repository(root)
-    bin_dir = root / "bin"
-    bin_dir.mkdir()
-    for name in ("python", "python3"):
-        path = bin_dir / name
-        path.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
-        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    bin_dir = python_shims(root)
     env = dict(os.environ)
     for name in ("TT_NVTX", "TRITON_INTERPRET", "WORKSHOP_SMOKE", "PYTHON"):
         env.pop(name, None)

@@ -147,7 +147,8 @@ def test_resume_auto_without_checkpoints_starts_from_step_0(reference, tmp_path,
 def test_sigkill_mid_run_then_resume_auto(reference, tmp_path):
     directory = tmp_path / "c"
     process = start_subprocess(directory, "--save-every", "4")
-    wait_for(lambda: len(list_checkpoints(directory)) >= 2, process)
+    # The run creates the directory only when it writes its first checkpoint: poll for that, not the listing.
+    wait_for(lambda: directory.is_dir() and len(list_checkpoints(directory)) >= 2, process)
     process.send_signal(signal.SIGKILL)
     process.communicate()
     assert process.returncode == -signal.SIGKILL

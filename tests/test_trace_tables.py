@@ -10,7 +10,7 @@ def test_write_reports_and_summary(tmp_path):
     path = tmp_path / "gpu.json"
     path.write_text(json.dumps(build_gpu_trace("cuda")))
     result = write_reports(path, tmp_path / "out", sort_by="cuda_time_total", limit=5)
-    assert sorted(result) == ["kernels.csv", "operators.csv", "phases.csv", "summary.md"]  # paths only
+    assert sorted(result) == ["families.csv", "kernels.csv", "operators.csv", "phases.csv", "summary.md"]  # paths only
     for path in result.values():
         assert path.is_file() and path.stat().st_size > 0
     summary = result.summary

@@ -12,7 +12,6 @@ Any training flag after `--` is passed to every version (e.g. `-- --batch-size 3
 """
 import argparse
 import os
-import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -25,6 +24,8 @@ from tinytransformer.config import ConfigError  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
 from tinytransformer.paths import ensure_directory  # noqa: E402
 from tinytransformer.profiling import analysis  # noqa: E402
+# The kernel families (by kernel name) are the profiler reports' own: every version is grouped the same way.
+from tinytransformer.profiling.kernel_names import FAMILIES, OTHER_FAMILY, family_of  # noqa: E402
 from tinytransformer.profiling.trace import TraceError, load_trace  # noqa: E402
 
 SCRIPTS = {
@@ -33,31 +34,6 @@ SCRIPTS = {
     "v3": REPO_ROOT / "version3_triton" / "tiny_llama_v3.py",
     "v4": REPO_ROOT / "version4_triton_ultra" / "tiny_llama_v4.py",
 }
-
-# Kernel families, matched in order against the lower-cased kernel name. Vendor libraries name their GEMMs
-# differently (cuBLAS: gemm/sm90_xmma/nvjet/cutlass; hipBLASLt: Cijk_...), Triton kernels carry the name of
-# their Python function.
-FAMILIES = [
-    ("gemm", r"gemm|xmma|nvjet|cutlass|cijk_|matmul|splitk"),
-    ("attention", r"flash|attention|fmha|sdpa|softmax"),
-    ("rmsnorm", r"rms_norm|rmsnorm"),
-    ("rope", r"rope"),
-    ("swiglu", r"swiglu|silu"),
-    ("cross_entropy", r"cross_entropy|log_softmax|nll_loss"),
-    ("optimizer", r"adam|foreach|multi_tensor"),
-    ("copy / layout", r"copy|transpose|cat|memcpy|memset|fill|index"),
-    ("reduction", r"reduce"),
-    ("element-wise", r"elementwise|vectorized|unrolled|triton_"),
-]
-
-
-def family_of(kernel_name: str) -> str:
-    name = kernel_name.lower()
-    for family, pattern in FAMILIES:
-        if re.search(pattern, name):
-            return family
-    return "other"
-
 
 def profile_version(version: str, out_dir: Path, train_flags: list[str]) -> Path:
     profile_dir = out_dir / version
@@ -86,7 +62,7 @@ def analyse(trace_path: Path) -> dict:
 
 
 def print_table(results: dict) -> None:
-    families = [f for f, _ in FAMILIES] + ["other"]
+    families = [f for f, _ in FAMILIES] + [OTHER_FAMILY]
     families = [f for f in families if any(r["family_us_per_step"].get(f) for r in results.values())]
     header = ["version", "kernels/step", "step wall us", "GPU us/step"] + families
     rows = [header]

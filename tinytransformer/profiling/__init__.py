@@ -7,7 +7,9 @@ Recording (during a run)
 Reading a trace (standard library only: a GPU trace can be analysed on a laptop)
   trace.py                  finding and loading a trace file, and the events in it
   attribution.py            which operator, step and phase each kernel belongs to
-  analysis.py               the numbers: kernels per step, top operators and kernels, phase split, summary
+  kernel_names.py           what a kernel is by its name: its family, and its phase in a graph replay
+  analysis.py               the numbers: kernels per step, top operators and kernels, phase and family split,
+                            summary
   tables.py                 the same as console tables, and the CSV and markdown report files
 Commands
   report_cli.py             python -m tinytransformer.profiling.report_cli TRACE

@@ -1,5 +1,5 @@
 """What a trace says, as numbers and rows: steps, kernels and operators per step, top operators and kernels, the
-split of time between the model's parts and the training phases, and a summary to keep beside a run's metrics.
+split of time between the model's parts and the training phases, device time per kernel family, and a summary to keep beside a run's metrics.
 
 Every function takes a loaded trace (profiling/trace.py), a path, or events built in code (tests), and reads the
 attribution of profiling/attribution.py, computed once per trace. Rendering the rows is profiling/tables.py's job.
@@ -11,6 +11,7 @@ from typing import Iterable, Mapping
 
 from .attribution import (MEMORY_FIELDS, PHASES, analysis_of, enclosing, is_dispatched_operator,
                           is_operator_row)
+from .kernel_names import family_of
 from .trace import Event, trace_of
 
 # Sort keys of top_operators -> the row field they sort on.
@@ -247,6 +248,9 @@ def phase_split(trace, basis: str = "auto") -> dict:
         for dev in analysis.device:
             us[dev.phase] += dev.dur
             count[dev.phase] += 1
+        if analysis.replayed_by_name:
+            label += (f"; {analysis.replayed_by_name} events of CUDA/HIP graph replays by kernel name and order "
+                      f"(a replay hides the ranges)")
     else:
         label = "CPU self time of host ops and launch calls, by where they ran"
         for ev in analysis.host:
@@ -274,6 +278,23 @@ def phase_split(trace, basis: str = "auto") -> dict:
         "us": {row["phase"]: row["us"] for row in rows},
         "pct": {row["phase"]: row["pct"] for row in rows},
     }
+
+
+def family_split(trace) -> list[dict]:
+    """Device time per kernel family (profiling/kernel_names.py: gemm, attention, rmsnorm, ..., copies and fills
+    as "copy / layout"), largest first: [{"family", "calls", "us", "pct", "us_per_step"}]. Empty on a CPU trace.
+    Unlike the phase split it needs no ranges, so it reads the same with or without a graph-captured step."""
+    analysis = analysis_of(trace)
+    us, calls = defaultdict(float), defaultdict(int)
+    for dev in analysis.device:
+        family = family_of(dev.name)
+        us[family] += dev.dur
+        calls[family] += 1
+    total, steps = sum(us.values()), len(analysis.steps)
+    rows = [{"family": family, "calls": calls[family], "us": us[family],
+             "pct": 100.0 * us[family] / total if total > 0 else 0.0,
+             "us_per_step": us[family] / steps if steps else None} for family in us]
+    return sorted(rows, key=lambda row: (-row["us"], row["family"]))
 
 
 def summarize(trace) -> dict:

@@ -7,8 +7,10 @@ launch is missing from the trace, args["External id"] (the same number as the is
 a kernel linked to nothing keeps its own start time and is charged to no operator.
 
 Steps and phases are decided by when the work was ISSUED (the GPU runs it later): a kernel belongs to the
-"ProfilerStep#N" range and to the model part (profiling/ranges.py) around its launch. TraceAnalysis does all
-of this once per trace; profiling/analysis.py turns it into tables.
+"ProfilerStep#N" range and to the model part (profiling/ranges.py) around its launch. The kernels of a CUDA/HIP
+graph replayed outside every range (version 4's captured step) have no range around their launch: they are
+charged by kernel name and order instead (profiling/kernel_names.py). TraceAnalysis does all of this once per
+trace; profiling/analysis.py turns it into tables.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import bisect
 from collections import defaultdict
 from typing import Iterable
 
+from .kernel_names import is_graph_launch, replay_phases
 from .trace import DEVICE_KINDS, HOST_KINDS, STEP_PREFIX, Event, parse_event, trace_of
 
 # The record_function ranges every model version puts around its parts (innermost one wins).
@@ -63,6 +66,7 @@ class TraceAnalysis:
         self.optimizer_windows = Windows((ev.start, ev.end) for ev in self.host if ev.name == "optimizer")
         self.unattributed_device_us = 0.0
         self._link_device_events()
+        self.replayed_by_name = self._charge_graph_replays_by_name()
 
     # -- host side -------------------------------------------------------------------------------------------
 
@@ -135,6 +139,19 @@ class TraceAnalysis:
             dev.step = self.step_of(issued_at)
             dev.phase = self.phase_of(dev.anchor, issued_at)
             self._charge_to_operators(dev)
+
+    def _charge_graph_replays_by_name(self) -> int:
+        """Kernels of a CUDA/HIP graph replayed outside every phase range: phases by kernel name and order
+        (profiling/kernel_names.py says why and how). Returns how many device events were charged so."""
+        replays = defaultdict(list)   # the replay's launch call -> its device events
+        for dev in self.device:
+            if dev.phase == "other" and dev.anchor is not None and is_graph_launch(dev.anchor.name):
+                replays[id(dev.anchor)].append(dev)
+        for events in replays.values():
+            events.sort(key=lambda dev: (dev.start, dev.order))   # the order the device started them
+            for dev, phase in zip(events, replay_phases([dev.name for dev in events])):
+                dev.phase = phase
+        return sum(len(events) for events in replays.values())
 
     def _charge_to_operators(self, dev: Event):
         """Self device time goes to the innermost enclosing operator; total device time to all of them."""

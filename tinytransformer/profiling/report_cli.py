@@ -16,8 +16,10 @@ from typing import Sequence
 
 from ..checks import ConfigError
 from ..paths import prove_output_dir
-from .analysis import SORT_KEY_ALIASES, SORT_KEYS, phase_split, summarize, top_kernels, top_operators
-from .tables import KERNEL_COLUMNS, PHASE_COLUMNS, format_table, headline, operator_columns, write_reports
+from .analysis import (SORT_KEY_ALIASES, SORT_KEYS, family_split, phase_split, summarize, top_kernels,
+                       top_operators)
+from .tables import (FAMILY_COLUMNS, KERNEL_COLUMNS, PHASE_COLUMNS, format_table, headline, operator_columns,
+                     write_reports)
 from .trace import TraceError, load_trace
 
 PROG = "python -m tinytransformer.profiling.report_cli"
@@ -45,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=_positive_or_zero, default=20,
                         help="rows per table, 0 for all (default: %(default)s)")
     parser.add_argument("--output-dir", type=Path, default=None,
-                        help="also write operators.csv, kernels.csv, phases.csv and summary.md here")
+                        help="also write operators.csv, kernels.csv, phases.csv, families.csv and summary.md here")
     return parser
 
 
@@ -69,12 +71,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         operators = top_operators(trace, sort_by=args.sort_by, limit=args.limit)
         kernels = top_kernels(trace, limit=args.limit)
         phases = phase_split(trace)
+        families = family_split(trace)
         summary = summarize(trace)
     except TraceError as err:
         _fail(parser, str(err))
 
     out = [f"Trace: {trace.path}"] + headline(summary)
     out += ["", f"Time per phase ({phases['label']}):", format_table(phases["rows"], PHASE_COLUMNS)]
+    if families:
+        out += ["", "Device time per kernel family (by kernel name):", format_table(families, FAMILY_COLUMNS)]
     out += ["", f"Top operators by {operators.meta['sort_by']}:"]
     if operators.meta["note"]:
         out.append(f"(note: {operators.meta['note']})")

@@ -37,7 +37,7 @@ class PyTorchProfilerSession:
       trace_<version>.json      Chrome/Perfetto trace (open in ui.perfetto.dev or chrome://tracing)
       tensorboard/              the same trace for TensorBoard (`tensorboard --logdir <profile_dir>/tensorboard`)
       memory_timeline_<version>.html   with --profile-memory
-      operators.csv, kernels.csv, phases.csv, summary.md   via profiling/tables.py
+      operators.csv, kernels.csv, phases.csv, families.csv, summary.md   via profiling/tables.py
     """
 
     def __init__(self, profile_dir: str, version: str, active_steps: int, device: torch.device,

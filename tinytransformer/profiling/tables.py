@@ -1,6 +1,6 @@
 """The tables of a trace as text: fixed-width console tables, markdown, CSV, and the report files of a profile.
 
-write_reports writes operators.csv, kernels.csv, phases.csv (every row) and summary.md (the top rows) beside a
+write_reports writes operators.csv, kernels.csv, phases.csv, families.csv (every row) and summary.md (the top rows) beside a
 trace; the trainer calls it after a profiled run, the profiler commands and the report command on request.
 """
 from __future__ import annotations
@@ -9,13 +9,14 @@ import csv
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .analysis import first_rows, phase_split, summarize, top_kernels, top_operators
+from .analysis import family_split, first_rows, phase_split, summarize, top_kernels, top_operators
 from .trace import trace_of
 
 OPERATOR_COLUMNS = ("name", "calls", "self_cpu_us", "cpu_us", "self_device_us", "device_us",
                     "self_cpu_mem_bytes", "cpu_mem_bytes", "self_device_mem_bytes", "device_mem_bytes")
 KERNEL_COLUMNS = ("name", "category", "calls", "total_us", "mean_us", "min_us", "max_us", "pct_device_time")
 PHASE_COLUMNS = ("phase", "us", "pct", "count", "us_per_step")
+FAMILY_COLUMNS = ("family", "calls", "us", "pct", "us_per_step")
 # What the phases that are not a model part hold (a legend under the table in summary.md).
 PHASE_LEGEND = {
     "forward_other": "inside the \"forward\" range but in no named part (embedding, residual adds)",
@@ -137,9 +138,11 @@ def headline(summary: dict) -> list[str]:
 
 def write_reports(trace_or_path, out_dir, sort_by: str = "self_device_time",
                   limit: int | None = 20) -> ReportFiles:
-    """Write operators.csv, kernels.csv, phases.csv (every row) and summary.md (top `limit` rows) to out_dir.
+    """Write operators.csv, kernels.csv, phases.csv, families.csv (every row) and summary.md (top `limit` rows)
+    to out_dir.
 
-    Returns {"operators.csv": Path, "kernels.csv": Path, "phases.csv": Path, "summary.md": Path}; its
+    Returns {"operators.csv": Path, "kernels.csv": Path, "phases.csv": Path, "families.csv": Path,
+    "summary.md": Path}; its
     `.summary` attribute holds summarize(...) plus "sort_by", the operator sort key actually used.
     """
     trace = trace_of(trace_or_path)
@@ -148,19 +151,25 @@ def write_reports(trace_or_path, out_dir, sort_by: str = "self_device_time",
     operators = top_operators(trace, sort_by=sort_by, limit=None)
     kernels = top_kernels(trace, limit=None)
     phases = phase_split(trace)
+    families = family_split(trace)
     summary = summarize(trace)
     summary["sort_by"] = operators.meta["sort_by"]
 
-    paths = {name: out_dir / name for name in ("operators.csv", "kernels.csv", "phases.csv", "summary.md")}
+    names = ("operators.csv", "kernels.csv", "phases.csv", "families.csv", "summary.md")
+    paths = {name: out_dir / name for name in names}
     _write_csv(paths["operators.csv"], operators, OPERATOR_COLUMNS)
     _write_csv(paths["kernels.csv"], kernels, KERNEL_COLUMNS)
     _write_csv(paths["phases.csv"], phases["rows"], PHASE_COLUMNS)
+    _write_csv(paths["families.csv"], families, FAMILY_COLUMNS)
 
     md = [f"# Profile summary: {trace.path.name if trace.path else 'trace'}", ""]
     md += [f"- {line}" for line in headline(summary)]
     md += ["", f"## Time per phase ({phases['label']})", ""]
     md += [_markdown_table(phases["rows"], PHASE_COLUMNS), ""]
     md += [f"- `{phase}`: {meaning}" for phase, meaning in PHASE_LEGEND.items()]
+    if families:
+        md += ["", "## Device time per kernel family (by kernel name)", ""]
+        md += [_markdown_table(families, FAMILY_COLUMNS), ""]
     md += ["", f"## Top operators by {operators.meta['sort_by']}", ""]
     if operators.meta["note"]:
         md += [f"_Note: {operators.meta['note']}._", ""]
@@ -177,6 +186,7 @@ def trace_tables(trace, sort_by: str, limit: int) -> list[str]:
     operators, top GPU kernels."""
     summary = summarize(trace)
     phases = phase_split(trace)
+    families = family_split(trace)
     operators = top_operators(trace, sort_by=sort_by, limit=limit)
     kernels = top_kernels(trace, limit=limit)
     steps = summary["steps"]
@@ -195,6 +205,10 @@ def trace_tables(trace, sort_by: str, limit: int) -> list[str]:
     lines += ["", f"--- Time per phase ({phases['label']}) ---"]
     lines.append(format_table(phases["rows"], [("phase", "phase"), ("us", "total_us"), ("pct", "%"),
                                                ("count", "events"), ("us_per_step", "us_per_step")]))
+    if families:
+        lines += ["", "--- GPU time per kernel family (by kernel name) ---"]
+        lines.append(format_table(families, [("family", "family"), ("us", "total_us"), ("pct", "%"),
+                                             ("calls", "kernels"), ("us_per_step", "us_per_step")]))
     lines += ["", f"--- Top operators by {operators.meta['sort_by']} ---"]
     if operators.meta["note"]:
         lines.append(f"(note: {operators.meta['note']})")

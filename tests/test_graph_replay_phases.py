@@ -1,0 +1,124 @@
+"""Kernel families by name, and the phases of a CUDA/HIP graph replay (tinytransformer/profiling/kernel_names.py):
+a replay hides the record_function ranges, so version 4's step is split by kernel name and order instead."""
+import pytest
+
+from tinytransformer.profiling.analysis import family_split, phase_split
+from tinytransformer.profiling.kernel_names import family_of, is_graph_launch, replay_phases
+from tinytransformer.profiling.tables import write_reports
+
+from .trace_samples import FLAVOURS, GPU_PID, STREAM, TraceBuilder
+
+SIDE_STREAM = STREAM + 1
+GRAPH_LAUNCH = {"cuda": ("cuda_runtime", "cudaGraphLaunch"), "rocm": ("cuda_runtime", "hipGraphLaunch")}
+
+
+@pytest.mark.parametrize("name, family", [
+    ("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NNN", "gemm"),
+    ("Cijk_Alik_Bljk_BBS_BH_MT128x128x32_MI16x16x1", "gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "gemm"),
+    ("_flash_attention_backward_dkdv_kernel", "attention"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "attention"),
+    ("_add_rms_norm_backward_kernel", "rmsnorm"),
+    ("_qkv_rope_kernel", "rope"),
+    ("_gate_up_swiglu_kernel", "swiglu"),
+    ("_cross_entropy_rows_kernel", "cross_entropy"),
+    ("_scale_pair_kernel", "cross_entropy"),
+    ("_adamw_kernel", "optimizer"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>", "optimizer"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("Memcpy DtoD (Device -> Device)", "copy / layout"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>", "reduction"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "element-wise"),
+    ("triton_poi_fused_add_mul_0", "element-wise"),
+    ("some_kernel_nobody_named", "other"),
+])
+def test_family_of_a_kernel_name(name, family):
+    assert family_of(name) == family
+
+
+def test_graph_launch_calls():
+    assert all(is_graph_launch(n) for n in ("cudaGraphLaunch", "cuGraphLaunch", "hipGraphLaunch"))
+    assert not any(is_graph_launch(n) for n in ("cudaLaunchKernel", "cuLaunchKernel", "hipLaunchKernel"))
+
+
+def test_replay_phases_forward_then_backward_and_the_optimizer_anywhere():
+    names = ["_add_rms_norm_forward_kernel", "_qkv_rope_kernel", "_flash_attention_forward_kernel",
+             "nvjet_gemm", "_gate_up_swiglu_kernel", "_cross_entropy_rows_kernel", "some_kernel",
+             "_add_rms_norm_backward_kernel", "nvjet_gemm", "_adamw_kernel", "_flash_attention_forward_kernel",
+             "_adamw_kernel"]
+    assert replay_phases(names) == [
+        "rmsnorm", "attention", "attention", "forward_other", "ffn", "loss", "forward_other",
+        "backward", "backward", "optimizer",
+        "backward",   # after the first backward kernel, even a forward-looking name (a recomputation) is backward
+        "optimizer"]
+    assert replay_phases(["_rope_kernel", "vectorized_elementwise_kernel"]) == ["rope", "forward_other"]
+    assert replay_phases([]) == []
+
+
+def replayed_step_trace(flavour: str) -> dict:
+    """Two profiled steps of a graph-captured training step (version 4's shape: one replay per step, launched
+    outside every range), kernels on two streams; then a graph launched inside a "backward" range, as
+    torch.compile's reduce-overhead mode does, which keeps its range's phase."""
+    t = TraceBuilder(FLAVOURS[flavour])
+    cat, launch_name = GRAPH_LAUNCH[flavour]
+    # (name, start offset, duration, stream): the order on the device, as a replay runs it.
+    step = [("_add_rms_norm_forward_kernel", 10, 4, STREAM),        # rmsnorm 4
+            ("_qkv_rope_kernel", 20, 10, STREAM),                    # attention 10
+            ("_flash_attention_forward_kernel", 35, 20, STREAM),     # attention 20
+            ("nvjet_sm90_gemm", 60, 8, STREAM),                      # forward_other 8
+            ("_cross_entropy_rows_kernel", 70, 6, STREAM),           # loss 6
+            ("_add_rms_norm_backward_kernel", 80, 5, STREAM),        # backward 5
+            ("nvjet_sm90_gemm", 86, 9, SIDE_STREAM),                 # backward 9 (weight-gradient stream)
+            ("_adamw_kernel", 96, 3, SIDE_STREAM),                   # optimizer 3 (the early update)
+            ("_flash_attention_backward_dq_kernel", 90, 12, STREAM),  # backward 12
+            ("_adamw_kernel", 105, 2, STREAM)]                       # optimizer 2
+    for number, base, correlation in ((1, 0, 100), (2, 1000, 200)):
+        t.annotate(f"ProfilerStep#{number}", base, base + 900)
+        t._x(cat, launch_name, base + 5, base + 8, correlation=correlation)
+        for name, offset, duration, stream in step:
+            t._x("kernel", name, base + offset, base + offset + duration, pid=GPU_PID, tid=stream,
+                 correlation=correlation)
+    # torch.compile's backward graph, launched inside the "backward" range of a third step
+    t.annotate("ProfilerStep#3", 2000, 2900)
+    t.annotate("backward", 2010, 2500)
+    t._x(cat, launch_name, 2020, 2023, correlation=300)
+    t._x("kernel", "triton_poi_fused_mul_silu_0", 2030, 2037, pid=GPU_PID, tid=STREAM, correlation=300)   # 7
+    return {"traceEvents": t.events}
+
+
+@pytest.mark.parametrize("flavour", ["cuda", "rocm"])
+def test_a_replayed_step_is_split_by_kernel_name_and_order(flavour):
+    phases = phase_split(replayed_step_trace(flavour))
+    per_step = {"rmsnorm": 4, "attention": 30, "forward_other": 8, "loss": 6, "backward": 26, "optimizer": 5}
+    expected = {phase: 2.0 * us for phase, us in per_step.items()}
+    expected["backward"] += 7.0   # the graph launched inside "backward" keeps that range's phase
+    assert {phase: us for phase, us in phases["us"].items() if us} == expected
+    assert phases["us"]["other"] == 0.0
+    assert "20 events of CUDA/HIP graph replays by kernel name and order" in phases["label"]
+
+
+def test_family_split_adds_up_to_the_device_time():
+    rows = family_split(replayed_step_trace("cuda"))
+    by_family = {row["family"]: row["us"] for row in rows}
+    assert by_family == {"attention": 64.0, "gemm": 34.0, "optimizer": 10.0, "rmsnorm": 18.0,
+                         "rope": 20.0, "cross_entropy": 12.0, "swiglu": 7.0}
+    assert [row["us"] for row in rows] == sorted((row["us"] for row in rows), reverse=True)
+    assert sum(row["pct"] for row in rows) == pytest.approx(100.0)
+    assert rows[0]["us_per_step"] == pytest.approx(64.0 / 3)
+
+
+def test_reports_carry_the_family_table(tmp_path):
+    paths = write_reports(replayed_step_trace("cuda"), tmp_path)
+    families = paths["families.csv"].read_text().splitlines()
+    assert families[0] == "family,calls,us,pct,us_per_step" and families[1].startswith("attention,4,64.0,")
+    assert "## Device time per kernel family (by kernel name)" in paths["summary.md"].read_text()
+
+
+def test_a_launch_that_is_not_a_graph_keeps_other():
+    """Only replays are split by name: a plain kernel launched outside every range stays "other"."""
+    t = TraceBuilder(FLAVOURS["cuda"])
+    t.annotate("ProfilerStep#1", 0, 100)
+    t.launched_kernel("_add_rms_norm_backward_kernel", 1, dur=5, at=10)
+    phases = phase_split({"traceEvents": t.events})
+    assert phases["us"]["other"] == 5.0 and phases["us"]["backward"] == 0.0
+    assert "graph replays" not in phases["label"]

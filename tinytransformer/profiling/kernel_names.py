@@ -1,0 +1,95 @@
+"""What a GPU kernel is, read from its name alone: its family (GEMM, attention, norm, ...), and the training
+phase of a kernel replayed from a CUDA/HIP graph.
+
+Families. Vendor libraries name their GEMMs differently (cuBLAS: gemm, sm90_xmma, nvjet, cutlass; hipBLASLt:
+Cijk_...), PyTorch names its own kernels after what they do (vectorized_elementwise_kernel, reduce_kernel),
+torch.compile's after the ops it fused (triton_poi_fused_..., triton_red_fused_...), and a Triton kernel carries
+the name of its Python function (_flash_attention_forward_kernel). FAMILIES groups them the same way for all
+four versions, so one table compares them (run_ultra_profiling.py) and every profiler report has it.
+
+Phases of a graph replay. The phase split (profiling/attribution.py) charges a kernel to the record_function
+range that was open when the kernel was LAUNCHED: "attention", "backward", "optimizer", ... A graph replay is
+one launch (cudaGraphLaunch, hipGraphLaunch) for every kernel of the step, and the ranges were open only while
+the graph was captured, not while it is replayed. Version 4 replays its whole step from outside any range, so
+without more help all of its time would land in "other". For such a replay the kernels are charged by name and
+order instead (replay_phases):
+  1. a kernel named like an optimizer's (adam, multi_tensor, foreach) is "optimizer" wherever it runs (version
+     4 updates part of the model during the backward pass);
+  2. a step runs its forward pass, then its backward pass: from the first kernel whose name says backward
+     (backward, bwd, dkdv, ...), every other kernel is "backward";
+  3. before it, a kernel is the model part its name says (attention, ffn, rmsnorm, rope, loss), else
+     "forward_other".
+Rule 2 is approximate at the boundary: backward work that starts before the first backward-named kernel (the
+output head's gradient GEMMs that version 4 runs with its loss) counts as forward. Graphs launched INSIDE a
+range (torch.compile's "reduce-overhead" replays one graph for the forward pass inside "forward" and one for
+the backward pass inside "backward") keep that range's phase: only replays outside every range are split here.
+"""
+from __future__ import annotations
+
+import re
+
+# (family, pattern), matched in order against the lower-cased kernel name; the first match wins.
+FAMILIES = (
+    ("gemm", r"gemm|xmma|nvjet|cutlass|cijk_|matmul|splitk"),
+    ("attention", r"flash|attention|fmha|sdpa|softmax"),
+    ("rmsnorm", r"rms_norm|rmsnorm"),
+    ("rope", r"rope"),
+    ("swiglu", r"swiglu|silu"),
+    ("cross_entropy", r"cross_entropy|log_softmax|nll_loss|mean_loss|_scale_pair"),
+    ("optimizer", r"adam|foreach|multi_tensor"),
+    ("communication", r"nccl|rccl|allreduce|all_reduce"),
+    ("copy / layout", r"copy|transpose|cat|memcpy|memset|fill|index"),
+    ("reduction", r"reduce"),
+    ("element-wise", r"elementwise|vectorized|unrolled|triton_"),
+)
+OTHER_FAMILY = "other"
+
+# The host calls that replay a captured graph (CUDA runtime and driver, HIP).
+GRAPH_LAUNCH = re.compile(r"graphlaunch", re.IGNORECASE)
+# A kernel of the backward pass says so in its name: our Triton kernels (_add_rms_norm_backward_kernel,
+# _flash_attention_backward_dkdv_kernel), PyTorch's (..._backward_kernel, flash_bwd, fmha_cutlassB).
+BACKWARD = re.compile(r"backward|bwd|dkdv|fmha_cutlassb", re.IGNORECASE)
+OPTIMIZER = re.compile(r"adam|multi_tensor|foreach", re.IGNORECASE)
+# The model part a forward kernel's name tells (the phase split's model parts), in order; first match wins.
+FORWARD_PARTS = (
+    ("loss", r"cross_entropy|log_softmax|nll_loss|mean_loss|_scale_pair"),
+    ("attention", r"flash|attention|fmha|sdpa|qkv"),   # qkv: the QKV GEMM with RoPE in its epilogue
+    ("ffn", r"swiglu|silu|gate_up"),
+    ("rmsnorm", r"rms_norm|rmsnorm"),
+    ("rope", r"rope|rotate"),
+)
+
+
+def family_of(kernel_name: str) -> str:
+    """The family of a kernel (FAMILIES); "other" when no pattern matches."""
+    name = kernel_name.lower()
+    for family, pattern in FAMILIES:
+        if re.search(pattern, name):
+            return family
+    return OTHER_FAMILY
+
+
+def is_graph_launch(call_name: str) -> bool:
+    """True for the host call that replays a CUDA/HIP graph (cudaGraphLaunch, cuGraphLaunch, hipGraphLaunch)."""
+    return bool(GRAPH_LAUNCH.search(call_name))
+
+
+def forward_part_of(kernel_name: str) -> str:
+    """The model part of a forward kernel by its name, else "forward_other"."""
+    for part, pattern in FORWARD_PARTS:
+        if re.search(pattern, kernel_name, flags=re.IGNORECASE):
+            return part
+    return "forward_other"
+
+
+def replay_phases(kernel_names: list[str]) -> list[str]:
+    """The phase of each kernel of ONE graph replay, given in the order the device started them (rules in the
+    module docstring)."""
+    phases, in_backward = [], False
+    for name in kernel_names:
+        if OPTIMIZER.search(name):
+            phases.append("optimizer")
+            continue
+        in_backward = in_backward or bool(BACKWARD.search(name))
+        phases.append("backward" if in_backward else forward_part_of(name))
+    return phases

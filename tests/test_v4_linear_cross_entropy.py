@@ -205,7 +205,7 @@ def test_mean_loss_counts_only_targets_not_ignored(n_rows, device):
 
 
 def test_default_chunk_rows():
-    assert lce.default_chunk_rows(32000, torch.bfloat16) == 512  # 32 MiB of bf16 logits
+    assert lce.default_chunk_rows(32000, torch.bfloat16) == 4160  # 256 MiB of bf16 logits, in 64-row steps
     rows = lce.default_chunk_rows(10**7, torch.float32)  # a huge vocabulary still gets a usable chunk
     assert rows == lce.CHUNK_ROW_MULTIPLE
 

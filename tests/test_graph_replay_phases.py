@@ -1,9 +1,12 @@
 """Kernel families by name, and the phases of a CUDA/HIP graph replay (tinytransformer/profiling/kernel_names.py):
 a replay hides the record_function ranges, so version 4's step is split by kernel name and order instead."""
+import json
+
 import pytest
 
 from tinytransformer.profiling.analysis import family_split, phase_split
 from tinytransformer.profiling.kernel_names import family_of, is_graph_launch, replay_phases
+from tinytransformer.profiling.report_cli import main as report_main
 from tinytransformer.profiling.tables import write_reports
 
 from .trace_samples import FLAVOURS, GPU_PID, STREAM, TraceBuilder
@@ -13,23 +16,60 @@ GRAPH_LAUNCH = {"cuda": ("cuda_runtime", "cudaGraphLaunch"), "rocm": ("cuda_runt
 
 
 @pytest.mark.parametrize("name, family", [
+    # vendor BLAS
     ("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NNN", "gemm"),
-    ("Cijk_Alik_Bljk_BBS_BH_MT128x128x32_MI16x16x1", "gemm"),
-    ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_"
+     "kernel__5x_cublas", "gemm"),
+    ("Cijk_Alik_Bljk_BBS_BH_MT128x128x32_MI16x16x1_SN_1LDSB0_APM1_ABV0", "gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float>(cublasLt::cublasSplitKParams"
+     "<float>, float const*, __nv_bfloat16 const*, __nv_bfloat16*)", "gemm"),
+    # attention: PyTorch's SDPA kernels name cutlass in their template arguments
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, "
+     "cutlass::bfloat16_t, Flash_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t> >, true, false, false>"
+     "(pytorch_flash::Flash_fwd_params)", "attention"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, 8, "
+     "4, 2, 2, false, false, cutlass::bfloat16_t>, true>(pytorch_flash::Flash_bwd_params)", "attention"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<cutlass::arch::"
+     "Sm80, cutlass::bfloat16_t, true, false, false, 64, 64, 64, false>::Params)", "attention"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::"
+     "(anonymous namespace)::SoftMaxForwardEpilogue>(float*, float const*, int)", "attention"),
+    # the loss: log-softmax is not attention's softmax
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::"
+     "(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)", "cross_entropy"),
+    ("triton_red_fused__log_softmax_nll_loss_forward_0", "cross_entropy"),
+    ("_cross_entropy_rows_kernel", "cross_entropy"),
+    ("_scale_pair_kernel", "cross_entropy"),
+    # our Triton kernels
     ("_flash_attention_backward_dkdv_kernel", "attention"),
-    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "attention"),
     ("_add_rms_norm_backward_kernel", "rmsnorm"),
     ("_qkv_rope_kernel", "rope"),
     ("_gate_up_swiglu_kernel", "swiglu"),
-    ("_cross_entropy_rows_kernel", "cross_entropy"),
-    ("_scale_pair_kernel", "cross_entropy"),
+    ("_embedding_backward_kernel", "embedding"),
     ("_adamw_kernel", "optimizer"),
-    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>", "optimizer"),
+    # torch.compile's fused kernels: by what they fused, the autocast casts (_to_copy) left out
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "rmsnorm"),
+    ("triton_tem_fused_mm_0", "gemm"),
+    ("triton_poi_fused__to_copy_add_mul_0", "element-wise"),
+    ("triton_per_fused_sum_2", "reduction"),
+    # PyTorch's own kernels
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+     "(at::native::ADAM_MODE)1, false>, double*, double, double, double, double, double, bool, float*, float*>",
+     "optimizer"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "TensorListMetadata<2>, at::native::(anonymous namespace)::CopyFunctor<c10::BFloat16, float, 2, 1, 1>, "
+     "at::native::(anonymous namespace)::Copy<c10::BFloat16, float> >", "copy / layout"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "TensorListMetadata<3>, at::native::(anonymous namespace)::BinaryOpListAlphaFunctor<float, 3, 2, 0>, "
+     "std::plus<float>, float>", "optimizer"),
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
     ("Memcpy DtoD (Device -> Device)", "copy / layout"),
-    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>", "reduction"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "element-wise"),
-    ("triton_poi_fused_add_mul_0", "element-wise"),
+    ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, true>",
+     "copy / layout"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float, "
+     "at::native::sum_functor<float, float, float>::operator()>, unsigned int, float, 4, 4> >", "reduction"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3> >",
+     "element-wise"),
     ("some_kernel_nobody_named", "other"),
 ])
 def test_family_of_a_kernel_name(name, family):
@@ -44,13 +84,18 @@ def test_graph_launch_calls():
 def test_replay_phases_forward_then_backward_and_the_optimizer_anywhere():
     names = ["_add_rms_norm_forward_kernel", "_qkv_rope_kernel", "_flash_attention_forward_kernel",
              "nvjet_gemm", "_gate_up_swiglu_kernel", "_cross_entropy_rows_kernel", "some_kernel",
-             "_add_rms_norm_backward_kernel", "nvjet_gemm", "_adamw_kernel", "_flash_attention_forward_kernel",
-             "_adamw_kernel"]
+             "_scale_pair_kernel", "nvjet_gemm", "_adamw_kernel", "_flash_attention_forward_kernel",
+             "_add_rms_norm_backward_kernel", "_adamw_kernel"]
     assert replay_phases(names) == [
         "rmsnorm", "attention", "attention", "forward_other", "ffn", "loss", "forward_other",
-        "backward", "backward", "optimizer",
+        "backward",   # version 4's backward pass starts by scaling the gradients its fused loss computed
+        "backward", "optimizer",
         "backward",   # after the first backward kernel, even a forward-looking name (a recomputation) is backward
-        "optimizer"]
+        "backward", "optimizer"]
+    # Not every multi-tensor kernel is the optimizer's: version 4's 16-bit weight copies run in the forward pass.
+    copies = ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)"
+              "::TensorListMetadata<2>, at::native::(anonymous namespace)::CopyFunctor<c10::BFloat16, float, 2, 1, 1>>")
+    assert replay_phases([copies, "_qkv_rope_kernel"]) == ["forward_other", "attention"]
     assert replay_phases(["_rope_kernel", "vectorized_elementwise_kernel"]) == ["rope", "forward_other"]
     assert replay_phases([]) == []
 
@@ -75,11 +120,17 @@ def replayed_step_trace(flavour: str) -> dict:
     for number, base, correlation in ((1, 0, 100), (2, 1000, 200)):
         t.annotate(f"ProfilerStep#{number}", base, base + 900)
         t._x(cat, launch_name, base + 5, base + 8, correlation=correlation)
-        for name, offset, duration, stream in step:
+        # The exporter writes the events stream by stream, not in time order: the side stream's kernels come
+        # first in the file here, so only the sort by start time puts the backward GEMM after the forward pass.
+        for name, offset, duration, stream in sorted(step, key=lambda kernel: -kernel[3]):
             t._x("kernel", name, base + offset, base + offset + duration, pid=GPU_PID, tid=stream,
                  correlation=correlation)
-    # torch.compile's backward graph, launched inside the "backward" range of a third step
+    # torch.compile's graphs, launched inside the "forward" and "backward" ranges of a third step: their kernels
+    # keep the range's phase, whatever their names say
     t.annotate("ProfilerStep#3", 2000, 2900)
+    t.annotate("forward", 2005, 2009)
+    t._x(cat, launch_name, 2006, 2008, correlation=299)
+    t._x("kernel", "triton_poi_fused_silu_backward_0", 2010, 2013, pid=GPU_PID, tid=STREAM, correlation=299)  # 3
     t.annotate("backward", 2010, 2500)
     t._x(cat, launch_name, 2020, 2023, correlation=300)
     t._x("kernel", "triton_poi_fused_mul_silu_0", 2030, 2037, pid=GPU_PID, tid=STREAM, correlation=300)   # 7
@@ -91,7 +142,8 @@ def test_a_replayed_step_is_split_by_kernel_name_and_order(flavour):
     phases = phase_split(replayed_step_trace(flavour))
     per_step = {"rmsnorm": 4, "attention": 30, "forward_other": 8, "loss": 6, "backward": 26, "optimizer": 5}
     expected = {phase: 2.0 * us for phase, us in per_step.items()}
-    expected["backward"] += 7.0   # the graph launched inside "backward" keeps that range's phase
+    expected["forward_other"] += 3.0   # the graphs launched inside a range keep its phase
+    expected["backward"] += 7.0
     assert {phase: us for phase, us in phases["us"].items() if us} == expected
     assert phases["us"]["other"] == 0.0
     assert "20 events of CUDA/HIP graph replays by kernel name and order" in phases["label"]
@@ -101,17 +153,22 @@ def test_family_split_adds_up_to_the_device_time():
     rows = family_split(replayed_step_trace("cuda"))
     by_family = {row["family"]: row["us"] for row in rows}
     assert by_family == {"attention": 64.0, "gemm": 34.0, "optimizer": 10.0, "rmsnorm": 18.0,
-                         "rope": 20.0, "cross_entropy": 12.0, "swiglu": 7.0}
+                         "rope": 20.0, "cross_entropy": 12.0, "swiglu": 10.0}
     assert [row["us"] for row in rows] == sorted((row["us"] for row in rows), reverse=True)
     assert sum(row["pct"] for row in rows) == pytest.approx(100.0)
     assert rows[0]["us_per_step"] == pytest.approx(64.0 / 3)
 
 
-def test_reports_carry_the_family_table(tmp_path):
+def test_reports_carry_the_family_table(tmp_path, capsys):
     paths = write_reports(replayed_step_trace("cuda"), tmp_path)
     families = paths["families.csv"].read_text().splitlines()
     assert families[0] == "family,calls,us,pct,us_per_step" and families[1].startswith("attention,4,64.0,")
     assert "## Device time per kernel family (by kernel name)" in paths["summary.md"].read_text()
+    trace_file = tmp_path / "replay.json"
+    trace_file.write_text(json.dumps(replayed_step_trace("cuda")))
+    assert report_main([str(trace_file)]) == 0
+    out = capsys.readouterr().out
+    assert "Device time per kernel family (by kernel name):" in out and "by kernel name and order" in out
 
 
 def test_a_launch_that_is_not_a_graph_keeps_other():

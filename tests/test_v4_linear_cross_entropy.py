@@ -221,8 +221,10 @@ def test_linear_cross_entropy_rejects_bad_shapes(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_linear_cross_entropy_full_size_gpu(dtype, device):
-    # V = 32000 (the large configs), N not a multiple of the default chunk (512 rows of bf16 logits).
-    check_head(1100, 512, 32000, dtype, device, seed=141)
+    # V = 32000 (the large configs), in chunks of 512 rows: N is not a multiple of it, and every chunk after the
+    # first adds its 16-bit product into the float32 weight gradient. (The default chunk, 4160 rows of bf16
+    # logits here, would hold all 1100 rows at once.)
+    check_head(1100, 512, 32000, dtype, device, seed=141, chunk_size=512)
 
 
 @pytest.mark.gpu

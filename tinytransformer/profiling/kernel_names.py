@@ -19,8 +19,12 @@ order instead (replay_phases):
      (backward, bwd, dkdv, ...), every other kernel is "backward";
   3. before it, a kernel is the model part its name says (attention, ffn, rmsnorm, rope, loss), else
      "forward_other".
-Rule 2 is approximate at the boundary: backward work that starts before the first backward-named kernel (the
-output head's gradient GEMMs that version 4 runs with its loss) counts as forward. Graphs launched INSIDE a
+What the names cannot tell: a vendor GEMM (cuBLAS, hipBLASLt) says nothing of the layer that runs it, so in a
+replay the forward pass's vendor GEMMs (version 4's attention output and down projections, its output head)
+count as "forward_other", where the eager split (--no-cuda-graph) charges them to attention, ffn and loss; the
+family table (GEMM time whatever the phase) and the eager split fill that gap. And rule 2 is approximate at the
+boundary: backward work before the first backward-named kernel (the output head's gradient GEMMs that version 4
+runs with its loss) counts as forward. Graphs launched INSIDE a
 range (torch.compile's "reduce-overhead" replays one graph for the forward pass inside "forward" and one for
 the backward pass inside "backward") keep that range's phase: only replays outside every range are split here.
 """
@@ -28,18 +32,24 @@ from __future__ import annotations
 
 import re
 
-# (family, pattern), matched in order against the lower-cased kernel name; the first match wins.
+# (family, pattern), matched in order against the lower-cased kernel name; the first match wins. The order
+# matters: names are whole demangled signatures, so PyTorch's flash attention kernels mention cutlass (attention
+# before gemm) and its log-softmax kernels mention softmax (cross_entropy before attention). torch.compile's
+# names list the ops they fused: "_to_copy" (an autocast cast) is left out before matching, since nearly every
+# fused kernel has one, and "triton_tem_" is a GEMM template.
 FAMILIES = (
-    ("gemm", r"gemm|xmma|nvjet|cutlass|cijk_|matmul|splitk"),
-    ("attention", r"flash|attention|fmha|sdpa|softmax"),
-    ("rmsnorm", r"rms_norm|rmsnorm"),
-    ("rope", r"rope"),
+    ("cross_entropy", r"cross_entropy|log_softmax|logsoftmax|nll_loss|mean_loss|_scale_pair"),
+    ("attention", r"flash|attention|fmha|sdpa|attn_fwd|bwd_kernel_d|softmax"),
+    ("gemm", r"gemm|gemv|xmma|nvjet|cutlass|cijk_|matmul|splitk|dot_kernel|triton_tem_"),
+    ("rmsnorm", r"rms_norm|rmsnorm|rsqrt"),
+    ("rope", r"rope|rotate"),
     ("swiglu", r"swiglu|silu"),
-    ("cross_entropy", r"cross_entropy|log_softmax|nll_loss|mean_loss|_scale_pair"),
-    ("optimizer", r"adam|foreach|multi_tensor"),
     ("communication", r"nccl|rccl|allreduce|all_reduce"),
-    ("copy / layout", r"copy|transpose|cat|memcpy|memset|fill|index"),
-    ("reduction", r"reduce"),
+    ("embedding", r"embedding"),
+    ("optimizer", r"adam|sgd|lamb"),
+    ("copy / layout", r"copy|transpose|(?<![a-z])cat|memcpy|memset|fill|index"),
+    ("optimizer", r"multi_tensor|foreach"),   # the other multi-tensor kernels of a step: mostly the optimizer's
+    ("reduction", r"reduce|triton_red_|triton_per_"),
     ("element-wise", r"elementwise|vectorized|unrolled|triton_"),
 )
 OTHER_FAMILY = "other"
@@ -47,12 +57,16 @@ OTHER_FAMILY = "other"
 # The host calls that replay a captured graph (CUDA runtime and driver, HIP).
 GRAPH_LAUNCH = re.compile(r"graphlaunch", re.IGNORECASE)
 # A kernel of the backward pass says so in its name: our Triton kernels (_add_rms_norm_backward_kernel,
-# _flash_attention_backward_dkdv_kernel), PyTorch's (..._backward_kernel, flash_bwd, fmha_cutlassB).
-BACKWARD = re.compile(r"backward|bwd|dkdv|fmha_cutlassb", re.IGNORECASE)
-OPTIMIZER = re.compile(r"adam|multi_tensor|foreach", re.IGNORECASE)
+# _flash_attention_backward_dkdv_kernel; _scale_pair_kernel, the first kernel of version 4's backward pass,
+# which scales the gradients its fused loss computed in the forward pass), PyTorch's (..._backward_kernel,
+# flash_bwd, fmha_cutlassB).
+BACKWARD = re.compile(r"backward|bwd|dkdv|fmha_cutlassb|_scale_pair", re.IGNORECASE)
+# Optimizer kernels by name: torch's fused AdamW (FusedAdamMathFunctor), version 4's _adamw_kernel. (Not every
+# multi-tensor kernel: version 4's 16-bit weight copies are one too, in the forward pass.)
+OPTIMIZER = re.compile(r"adam|sgd|lamb", re.IGNORECASE)
 # The model part a forward kernel's name tells (the phase split's model parts), in order; first match wins.
 FORWARD_PARTS = (
-    ("loss", r"cross_entropy|log_softmax|nll_loss|mean_loss|_scale_pair"),
+    ("loss", r"cross_entropy|log_softmax|logsoftmax|nll_loss|mean_loss"),
     ("attention", r"flash|attention|fmha|sdpa|qkv"),   # qkv: the QKV GEMM with RoPE in its epilogue
     ("ffn", r"swiglu|silu|gate_up"),
     ("rmsnorm", r"rms_norm|rmsnorm"),
@@ -62,7 +76,7 @@ FORWARD_PARTS = (
 
 def family_of(kernel_name: str) -> str:
     """The family of a kernel (FAMILIES); "other" when no pattern matches."""
-    name = kernel_name.lower()
+    name = kernel_name.lower().replace("_to_copy", "")
     for family, pattern in FAMILIES:
         if re.search(pattern, name):
             return family

@@ -38,11 +38,12 @@ from tinytransformer.triton_support import interpreter_active, num_warps_for, sm
 MAX_BLOCK_V = 4096
 # Default chunk: this many bytes of logits. Each chunk after the first also adds a [V, D] float32 matmul
 # result into grad_weight: one element-wise kernel reading 2 and writing 1 such array, whatever the chunk's
-# length. At the medium preset (8192 tokens, V = 32000, D = 1024, bfloat16) that is 393 MB, ~120 us at the
-# H100's 3.35 TB/s. With 32 MiB chunks (512 rows there, 16 chunks) that made 15 additions per step, ~2 ms of
-# a ~27 ms step by this arithmetic (a profile of the step showed ~20 element-wise kernels of ~130 us each).
-# 256 MiB (4160 rows there) leaves one addition at the medium and large presets, for 224 MiB more memory at
-# the end of the forward pass (~1% of version 4's peak at medium).
+# length, in 16-bit compute (in float32 the GEMM adds into grad_weight itself, addmm_). At the medium preset
+# with --use-amp (8192 tokens, V = 32000, D = 1024, bfloat16) that is 393 MB, ~120 us at the H100's 3.35 TB/s.
+# With 32 MiB chunks (512 rows there, 16 chunks) that made 15 additions per step, ~1.8 ms of a ~27 ms step by
+# this arithmetic (a profile of the step showed ~20 element-wise kernels of ~130 us each). 256 MiB (4160 rows
+# there) leaves one addition at the medium and large presets, for 224 MiB more memory at the end of the
+# forward pass.
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 # Chunk lengths are multiples of this (matmul tiles are usually 64 or 128 rows).
 CHUNK_ROW_MULTIPLE = 64

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tinytransformer.profiling.analysis import family_split, phase_split
-from tinytransformer.profiling.kernel_names import family_of, is_graph_launch, replay_phases
+from tinytransformer.profiling.kernel_names import FAMILY_NAMES, family_of, is_graph_launch, replay_phases
 from tinytransformer.profiling.report_cli import main as report_main
 from tinytransformer.profiling.tables import write_reports
 
@@ -74,6 +74,11 @@ GRAPH_LAUNCH = {"cuda": ("cuda_runtime", "cudaGraphLaunch"), "rocm": ("cuda_runt
 ])
 def test_family_of_a_kernel_name(name, family):
     assert family_of(name) == family
+
+
+def test_every_family_is_named_once_in_table_order():
+    assert FAMILY_NAMES[-1] == "other" and len(set(FAMILY_NAMES)) == len(FAMILY_NAMES)
+    assert {family_of(name) for name in ("_adamw_kernel", "multi_tensor_apply_kernel")} == {"optimizer"}
 
 
 def test_graph_launch_calls():

@@ -25,7 +25,7 @@ from tinytransformer.outputs import write_json  # noqa: E402
 from tinytransformer.paths import ensure_directory  # noqa: E402
 from tinytransformer.profiling import analysis  # noqa: E402
 # The kernel families (by kernel name) are the profiler reports' own: every version is grouped the same way.
-from tinytransformer.profiling.kernel_names import FAMILIES, OTHER_FAMILY, family_of  # noqa: E402
+from tinytransformer.profiling.kernel_names import FAMILY_NAMES, family_of  # noqa: E402
 from tinytransformer.profiling.trace import TraceError, load_trace  # noqa: E402
 
 SCRIPTS = {
@@ -62,8 +62,7 @@ def analyse(trace_path: Path) -> dict:
 
 
 def print_table(results: dict) -> None:
-    families = [f for f, _ in FAMILIES] + [OTHER_FAMILY]
-    families = [f for f in families if any(r["family_us_per_step"].get(f) for r in results.values())]
+    families = [f for f in FAMILY_NAMES if any(r["family_us_per_step"].get(f) for r in results.values())]
     header = ["version", "kernels/step", "step wall us", "GPU us/step"] + families
     rows = [header]
     for version, r in results.items():

@@ -53,6 +53,8 @@ FAMILIES = (
     ("element-wise", r"elementwise|vectorized|unrolled|triton_"),
 )
 OTHER_FAMILY = "other"
+# Every family once, in table order (a family may have several patterns above), "other" last.
+FAMILY_NAMES = tuple(dict.fromkeys(family for family, _ in FAMILIES)) + (OTHER_FAMILY,)
 
 # The host calls that replay a captured graph (CUDA runtime and driver, HIP).
 GRAPH_LAUNCH = re.compile(r"graphlaunch", re.IGNORECASE)

@@ -1,5 +1,6 @@
 """What a trace says, as numbers and rows: steps, kernels and operators per step, top operators and kernels, the
-split of time between the model's parts and the training phases, device time per kernel family, and a summary to keep beside a run's metrics.
+split of time between the model's parts and the training phases, device time per kernel family, and a summary
+to keep beside a run's metrics.
 
 Every function takes a loaded trace (profiling/trace.py), a path, or events built in code (tests), and reads the
 attribution of profiling/attribution.py, computed once per trace. Rendering the rows is profiling/tables.py's job.

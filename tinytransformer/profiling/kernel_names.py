@@ -13,8 +13,8 @@ one launch (cudaGraphLaunch, hipGraphLaunch) for every kernel of the step, and t
 the graph was captured, not while it is replayed. Version 4 replays its whole step from outside any range, so
 without more help all of its time would land in "other". For such a replay the kernels are charged by name and
 order instead (replay_phases):
-  1. a kernel named like an optimizer's (adam, multi_tensor, foreach) is "optimizer" wherever it runs (version
-     4 updates part of the model during the backward pass);
+  1. a kernel named like an optimizer's (adam, sgd, lamb) is "optimizer" wherever it runs (version 4 updates
+     part of the model during the backward pass);
   2. a step runs its forward pass, then its backward pass: from the first kernel whose name says backward
      (backward, bwd, dkdv, ...), every other kernel is "backward";
   3. before it, a kernel is the model part its name says (attention, ffn, rmsnorm, rope, loss), else
@@ -24,13 +24,17 @@ replay the forward pass's vendor GEMMs (version 4's attention output and down pr
 count as "forward_other", where the eager split (--no-cuda-graph) charges them to attention, ffn and loss; the
 family table (GEMM time whatever the phase) and the eager split fill that gap. And rule 2 is approximate at the
 boundary: backward work before the first backward-named kernel (the output head's gradient GEMMs that version 4
-runs with its loss) counts as forward. Graphs launched INSIDE a
-range (torch.compile's "reduce-overhead" replays one graph for the forward pass inside "forward" and one for
-the backward pass inside "backward") keep that range's phase: only replays outside every range are split here.
+runs with its loss) counts as forward. Graphs launched INSIDE a range (torch.compile's "reduce-overhead" replays
+one graph for the forward pass inside "forward" and one for the backward pass inside "backward") keep that
+range's phase: only replays outside every range are split here.
 """
 from __future__ import annotations
 
+import functools
 import re
+
+# The loss's kernels, by name: a family of their own, and the "loss" part of a replay's forward pass.
+LOSS = r"cross_entropy|log_softmax|logsoftmax|nll_loss|mean_loss"
 
 # (family, pattern), matched in order against the lower-cased kernel name; the first match wins. The order
 # matters: names are whole demangled signatures, so PyTorch's flash attention kernels mention cutlass (attention
@@ -38,7 +42,7 @@ import re
 # names list the ops they fused: "_to_copy" (an autocast cast) is left out before matching, since nearly every
 # fused kernel has one, and "triton_tem_" is a GEMM template.
 FAMILIES = (
-    ("cross_entropy", r"cross_entropy|log_softmax|logsoftmax|nll_loss|mean_loss|_scale_pair"),
+    ("cross_entropy", LOSS + r"|_scale_pair"),
     ("attention", r"flash|attention|fmha|sdpa|attn_fwd|bwd_kernel_d|softmax"),
     ("gemm", r"gemm|gemv|xmma|nvjet|cutlass|cijk_|matmul|splitk|dot_kernel|triton_tem_"),
     ("rmsnorm", r"rms_norm|rmsnorm|rsqrt"),
@@ -68,7 +72,7 @@ BACKWARD = re.compile(r"backward|bwd|dkdv|fmha_cutlassb|_scale_pair", re.IGNOREC
 OPTIMIZER = re.compile(r"adam|sgd|lamb", re.IGNORECASE)
 # The model part a forward kernel's name tells (the phase split's model parts), in order; first match wins.
 FORWARD_PARTS = (
-    ("loss", r"cross_entropy|log_softmax|logsoftmax|nll_loss|mean_loss"),
+    ("loss", LOSS),
     ("attention", r"flash|attention|fmha|sdpa|qkv"),   # qkv: the QKV GEMM with RoPE in its epilogue
     ("ffn", r"swiglu|silu|gate_up"),
     ("rmsnorm", r"rms_norm|rmsnorm"),
@@ -76,8 +80,10 @@ FORWARD_PARTS = (
 )
 
 
+@functools.lru_cache(maxsize=None)
 def family_of(kernel_name: str) -> str:
-    """The family of a kernel (FAMILIES); "other" when no pattern matches."""
+    """The family of a kernel (FAMILIES); "other" when no pattern matches. Cached: a trace holds the same few
+    hundred names many thousand times."""
     name = kernel_name.lower().replace("_to_copy", "")
     for family, pattern in FAMILIES:
         if re.search(pattern, name):

@@ -4,6 +4,7 @@
     python benchmarks/scaling.py --versions v1 v4 --presets medium --gpus 1 2 4 8 --num-steps 60
     python benchmarks/scaling.py --engine deepspeed --zero-stage 1 --presets medium --max-gpus 2
     python benchmarks/scaling.py --versions v4 --presets small medium --dtype bfloat16 --gpus 1 --with-single-process
+    python benchmarks/scaling.py --versions v4 --presets medium --dtype bfloat16 --gpus 1 2 --repeats 3
     python benchmarks/scaling.py --device cpu --versions v1 --presets tiny --max-gpus 2 \\
         -- --hidden-dim 32 --num-heads 2 --num-layers 1 --intermediate-size 64 --seq-len 16   (CPU smoke test, gloo)
 
@@ -18,13 +19,16 @@ efficiency then shows what the data-parallel path itself costs on one GPU.
 
 Each point is a fresh `torchrun --standalone --nproc-per-node N` process (a free port each time), started exactly
 as a user would start it; its rank 0 writes --output-json, which is collected here. Results: a JSON file (with
-the machine and every command), a markdown table, and a PNG plot when matplotlib is installed.
+the machine and every command), a markdown table, and a PNG plot when matplotlib is installed. --repeats N runs the
+whole list of points N times, interleaved (1 GPU, 2 GPUs, 1 GPU, 2 GPUs, ...: a machine that drifts moves every
+point alike), and each row is the point's median run, with every run's samples/s kept beside it.
 """
 from __future__ import annotations
 
 import os
 import platform
 import shlex
+import statistics
 import sys
 import tempfile
 from datetime import datetime
@@ -88,6 +92,18 @@ def run_point(version: str, preset: str, gpus: int, args, out_dir: Path, launche
         "device": metrics["device"]["name"],
         "gradients_averaged_by": metrics["distributed"].get("gradients_averaged_by"),   # ddp, step (v4's graph)
     })
+    return row
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run whose samples/s is the median of the repeats (the lower middle for an even count; a failed run
+    counts as slowest), with every repeat's samples/s under "repeats_samples_per_s"."""
+    speeds = [run.get("samples_per_s") for run in runs]
+    if len(runs) == 1:
+        return runs[0]
+    ranked = sorted(runs, key=lambda run: run.get("samples_per_s") or 0.0)
+    row = dict(ranked[(len(ranked) - 1) // 2])
+    row["repeats_samples_per_s"] = speeds
     return row
 
 
@@ -182,6 +198,8 @@ def parse_args(argv):
     parser.add_argument("--with-single-process", action="store_true",
                         help="also run each version and preset as one plain process (no torchrun), the reference "
                              "of the speed-up and efficiency columns")
+    parser.add_argument("--repeats", type=positive_int, default=1,
+                        help="run every point this many times, interleaved; each row is its median run")
     parser.add_argument("--timeout", type=positive_int, default=1200, help="seconds allowed per run")
     parser.add_argument("--output-dir", help="where the JSON, table and plot go [benchmarks/results/scaling_TIME]")
     argv = list(argv)
@@ -225,24 +243,27 @@ def main(argv=None) -> int:
     stamp = datetime.now().strftime("%Y%m%d_%H%M%S")
     out_dir = Path(args.output_dir or REPO_ROOT / "benchmarks" / "results" / f"scaling_{stamp}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
+    runs = {}   # (preset, version, gpus, launcher) -> that point's runs, in the order the table lists them
     with tempfile.TemporaryDirectory() as scratch:
-        for preset in args.presets:
-            for version in args.versions:
-                points = [(1, "none")] if args.with_single_process else []
-                for gpus, launcher in points + [(gpus, "torchrun") for gpus in args.gpus]:
-                    row = run_point(version, preset, gpus, args, Path(scratch), launcher)
-                    status = row.get("error") or f"{fmt(row.get('samples_per_s'), ',.0f')} samples/s"
-                    where = f"{gpus} GPU(s)" if launcher == "torchrun" else "1 process without torchrun"
-                    print(f"{version} {preset} {where}: {status}", flush=True)
-                    rows.append(row)
+        for repeat in range(1, args.repeats + 1):
+            for preset in args.presets:
+                for version in args.versions:
+                    points = [(1, "none")] if args.with_single_process else []
+                    for gpus, launcher in points + [(gpus, "torchrun") for gpus in args.gpus]:
+                        row = run_point(version, preset, gpus, args, Path(scratch), launcher)
+                        status = row.get("error") or f"{fmt(row.get('samples_per_s'), ',.0f')} samples/s"
+                        where = f"{gpus} GPU(s)" if launcher == "torchrun" else "1 process without torchrun"
+                        run_number = f" (run {repeat} of {args.repeats})" if args.repeats > 1 else ""
+                        print(f"{version} {preset} {where}{run_number}: {status}", flush=True)
+                        runs.setdefault((preset, version, gpus, launcher), []).append(row)
+    rows = [median_run(point_runs) for point_runs in runs.values()]
     add_efficiency(rows)
     markdown = table(rows)
     print(markdown)
     command = " ".join(["python", "benchmarks/scaling.py", *map(shlex.quote, sys.argv[1:])])
     result = {"benchmark": "weak scaling", "command": command, "engine": args.engine, "zero_stage": args.zero_stage,
               "with_single_process": args.with_single_process, "dtype": args.dtype, "num_steps": args.num_steps,
-              "warmup_steps": args.warmup_steps,
+              "warmup_steps": args.warmup_steps, "repeats": args.repeats,
               "extra_flags": args.extra, "environment": environment(args.device), "rows": rows}
     write_json(out_dir / "scaling.json", result)
     (out_dir / "scaling.md").write_text(markdown + "\n")

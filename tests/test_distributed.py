@@ -251,6 +251,35 @@ def test_scaling_efficiency_reference():
     assert [r["efficiency"] for r in rows] == [0.5, 0.375, 1.0]
 
 
+def test_scaling_repeats_are_interleaved_and_each_row_is_the_median_run(tmp_path, monkeypatch):
+    """--repeats 3: the points run 1, 2, 1, 2, 1, 2 GPUs; each row is its median run (a failed run counts as
+    slowest) and keeps every run's samples/s."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import scaling
+    speeds = iter([100.0, 150.0, 120.0, None, 90.0, 190.0])   # run order: (1, 2) x 3
+    order = []
+
+    def fake_point(version, preset, gpus, args, out_dir, launcher="torchrun"):
+        order.append(gpus)
+        speed = next(speeds)
+        row = {"version": version, "preset": preset, "gpus": gpus, "launcher": launcher, "command": "c"}
+        if speed is None:
+            return {**row, "error": "exit 1"}
+        return {**row, "samples_per_s": speed, "global_batch_size": 2 * gpus, "median_step_ms": 1.0, "mfu": 0.1,
+                "peak_memory_mib_per_gpu": 1.0}
+    monkeypatch.setattr(scaling, "run_point", fake_point)
+    monkeypatch.setattr(scaling, "visible_gpus", lambda device: 2)
+    assert scaling.main(["--device", "cpu", "--versions", "v1", "--presets", "tiny", "--gpus", "1", "2",
+                         "--repeats", "3", "--output-dir", str(tmp_path)]) == 0
+    assert order == [1, 2, 1, 2, 1, 2]
+    result = json.loads((tmp_path / "scaling.json").read_text())
+    one, two = result["rows"]
+    assert result["repeats"] == 3
+    assert one["repeats_samples_per_s"] == [100.0, 120.0, 90.0] and one["samples_per_s"] == 100.0
+    assert two["repeats_samples_per_s"] == [150.0, None, 190.0] and two["samples_per_s"] == 150.0
+    assert two["speedup"] == pytest.approx(1.5)
+
+
 def test_slurm_script_dry_run_builds_the_rendezvous_command(tmp_path):
     script = REPO_ROOT / "scripts" / "slurm_multinode.sbatch"
     env = clean_env(DRY_RUN="1", SLURM_NNODES="4", SLURM_JOB_ID="123", HEAD_NODE="node007", GPUS_PER_NODE="8",

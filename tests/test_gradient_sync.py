@@ -67,6 +67,36 @@ def test_two_ranks_hold_the_mean_gradient_after_scale_and_sum(tmp_path):
     assert torch.equal(results[0]["a"], results[1]["a"]) and torch.equal(results[0]["c"], results[1]["c"])
 
 
+def started_sums_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Each rank: start_sum on two parameters (one without a gradient), then the rest with sum_, then finish."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        grads = [torch.full((3,), float(rank + 1)), None, torch.arange(4.0) * (rank + 1)]
+        params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2)),
+                  torch.nn.Parameter(torch.zeros(4))]
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        sync = GradientAllReduce(context_of(rank, world))
+        handles = sync.start_sum(params[:2])
+        started = len(handles)
+        sync.sum_(params[2:])   # issued while the first is in flight: the same order on every rank
+        sync.finish(handles)
+        torch.save({"grads": [p.grad for p in params], "started": started, "left": len(handles)},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_started_sums_finish_with_the_sum_over_the_ranks(tmp_path):
+    mp.spawn(started_sums_worker, args=(2, distributed.free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["started"] == 1 and got["left"] == 0   # no handle for a missing gradient; finish empties
+        torch.testing.assert_close(got["grads"][0], torch.full((3,), 3.0), rtol=0, atol=0)
+        assert got["grads"][1] is None
+        torch.testing.assert_close(got["grads"][2], torch.arange(4.0) * 3, rtol=0, atol=0)
+
+
 @pytest.fixture
 def world_of_one(monkeypatch):
     """This process as the only rank of a gloo job, as `torchrun --nproc-per-node 1` would start it."""

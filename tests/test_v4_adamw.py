@@ -365,6 +365,32 @@ def test_the_early_update_runs_once_layer0_is_all_that_is_left(device):
     assert len(seen_grads) == 1
 
 
+def test_layer_hooks_announce_each_layer_once_its_gradients_exist(device):
+    """layer_gradients_queued(k) comes for k = L-1 down to 1, each once layer k's projection weights (and, for
+    the last layer, the output head) have gradients and before layer k-1's do; the early update comes last,
+    after the hook for layer 1. Together the layers announce exactly the early update's first group."""
+    from version4_triton_ultra.tiny_llama_v4 import TinyLlama
+    model = TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=3, num_heads=2, intermediate_size=64,
+                                  max_seq_len=16)).to(device)
+    seen = []
+
+    def layer_done(k):
+        announced = model.layer_projection_parameters(k)
+        below = model.layer_projection_parameters(k - 1)
+        seen.append((k, all(p.grad is not None for p in announced), any(p.grad is not None for p in below)))
+
+    model.layer_gradients_queued = layer_done
+    model.early_update = lambda: seen.append("early update")
+    ids = torch.randint(0, 64, (2, 8), device=device)
+    _, loss = model(ids, ids)
+    loss.backward()
+    assert seen == [(2, True, False), (1, True, False), "early update"]
+    announced = [p for k in (1, 2) for p in model.layer_projection_parameters(k)]
+    assert sorted(map(id, announced)) == sorted(map(id, model.parameters_final_before_layer0_backward()))
+    assert id(model.lm_head.weight) in map(id, model.layer_projection_parameters(2))
+    model.layer_gradients_queued = model.early_update = None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_amp", [False, True])
 def test_graphed_step_with_the_early_update_trains_like_the_eager_step(use_amp):

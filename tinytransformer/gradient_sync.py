@@ -49,6 +49,25 @@ class GradientAllReduce:
             if param.grad is not None:
                 dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
 
+    def start_sum(self, params: Iterable[torch.nn.Parameter]) -> list:
+        """Start the same all-reduces without waiting for them, and return their handles for `finish`.
+
+        On a GPU the collectives run on the process group's own stream, ordered after what the current stream
+        has queued so far; the current stream goes on at once. So a step can start a layer's all-reduces as
+        soon as the backward pass has produced that layer's gradients, and let them run while it computes the
+        gradients of the layers below (version 4's graph-captured step does). With gloo (CPU) they run on
+        a thread of their own."""
+        return [dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, async_op=True)
+                for param in params if param.grad is not None]
+
+    @staticmethod
+    def finish(handles: list) -> None:
+        """Wait for all-reduces `start_sum` started, and empty the list: on a GPU, the current stream waits for
+        them (the host does not); with gloo, the host waits."""
+        for handle in handles:
+            handle.wait()
+        handles.clear()
+
     def describe(self, where: str) -> str:
         """For the run's header, e.g. 'gradients averaged in v4's own step (all-reduce, no DDP wrapper) over 2
         rank(s) (nccl)'."""

@@ -36,14 +36,16 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      the optimizer updates them there, on the second stream, while layer 0's backward runs (CallDuringBackward);
      the rest after the backward pass. With --torch-adamw the bfloat16 weight copy runs on the second stream
      instead, beside the embedding lookup and first norm, which do not need it. Under torchrun the step also
-     averages the gradients over the ranks with all-reduces captured in the graph (the first group's beside
-     layer 0's backward), instead of the DDP wrapper (tinytransformer/gradient_sync.py).
+     averages the gradients over the ranks with all-reduces captured in the graph, instead of the DDP wrapper
+     (tinytransformer/gradient_sync.py): each layer's start on the second stream as soon as the backward pass
+     has queued its weight gradients, beside the backward pass of the layers below.
  10. TF32 tensor cores for float32 matmuls (--no-tf32 for exact float32): the same precision Triton already
      uses for float32 tl.dot.
 
 The function is still version 1's model: tests load the same canonical weights and compare logits, loss and
 every gradient. When `targets` are given the logits are not materialised and forward returns (None, loss).
 """
+import functools
 import sys
 from pathlib import Path
 
@@ -212,6 +214,9 @@ class TinyLlama(nn.Module):
         self.optimizer_writes_copies = False   # set by configure_optimizer when it returns a TritonAdamW
         self.copied_versions = None   # the weights' version counters when the copies were last made
         self.early_update = None   # called during backward once layer 0's is all that is left (GraphedStep)
+        # Called during backward with k once layer k's projection weight gradients are all queued (k = L-1 down
+        # to 1; GraphedStep starts their all-reduces there under data parallel). Needs the weight-gradient stream.
+        self.layer_gradients_queued = None
         self.weight_grad_stream = None   # a WeightGradientStream once use_weight_gradient_stream() is called
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -302,8 +307,14 @@ class TinyLlama(nn.Module):
             is_last = i + 1 == len(self.layers)
             next_weight = self.norm.weight if is_last else self.layers[i + 1].attention_norm.weight
             h, normed = layer(h, normed, cos, sin, next_weight)
-            if i == 0 and not is_last and self.early_update is not None and torch.is_grad_enabled():
+            if is_last or not torch.is_grad_enabled():
+                continue
+            # The backward pass reaches this point once layers i+1 and up have run theirs. The hooks applied last
+            # here run first there: the all-reduces of layer i+1's gradients start before the early update.
+            if i == 0 and self.early_update is not None:
                 h, normed = CallDuringBackward.apply(self.early_update, h, normed)
+            if self.layer_gradients_queued is not None:
+                h, normed = CallDuringBackward.apply(functools.partial(self.layer_gradients_queued, i + 1), h, normed)
         if targets is None:
             with profile_range("output_head"):
                 return self.lm_head(normed), None
@@ -311,6 +322,12 @@ class TinyLlama(nn.Module):
             # Output head and loss in one chunked op: the [B*S, V] float32 logits are never built.
             return None, linear_cross_entropy(normed, self.lm_head.weight, targets,
                                               weight16=self.lm_head.weight16)
+
+    def layer_projection_parameters(self, k: int) -> list:
+        """The projection weights of layer k, and with the last layer the output head's (whose gradient the loss
+        computes in the forward pass): what layer_gradients_queued(k) announces as final."""
+        params = [p for m in self.layers[k].modules() if isinstance(m, Projection) for p in m.parameters()]
+        return params + [self.lm_head.weight] if k == len(self.layers) - 1 else params
 
     def parameters_final_before_layer0_backward(self) -> list:
         """The weights whose gradients are complete once the backward pass reaches layer 0: the projections of

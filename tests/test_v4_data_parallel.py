@@ -2,8 +2,9 @@
 without the DDP wrapper (tinytransformer/gradient_sync.py). GPU only; the CPU side of this path (the all-reduce,
 the trainer's choice) is tested in test_gradient_sync.py.
 
-Two layers, so that TritonAdamW has its two groups and the first one is summed and updated during the backward
-pass, on the weight-gradient stream (graphed_step.GraphedStep._update_first_group).
+Three layers, so that TritonAdamW has its two groups and the first one is updated during the backward pass, on the
+weight-gradient stream (graphed_step.GraphedStep._update_first_group), after the all-reduces that layers 2 and 1
+started as the backward pass left them (GraphedStep._start_layer_sums).
 """
 import json
 import sys
@@ -15,7 +16,7 @@ import torch
 from .test_distributed import RUN, SCRIPTS, TORCHRUN, run
 
 GPU_RUN = [arg if arg != "cpu" else "cuda" for arg in RUN]
-GPU_RUN[GPU_RUN.index("--num-layers") + 1] = "2"
+GPU_RUN[GPU_RUN.index("--num-layers") + 1] = "3"
 GRAPH_NOTE = "version 4 averages gradients inside its CUDA/HIP-graph step"
 
 
@@ -52,7 +53,8 @@ def test_torchrun_without_the_graph_keeps_ddp(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("flags", [[], ["--use-amp", "--amp-dtype", "bfloat16"]], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("flags", [[], ["--use-amp", "--amp-dtype", "bfloat16"], ["--torch-adamw"]],
+                         ids=["fp32", "bf16", "torch-adamw"])
 def test_two_gpus_in_the_graph_equal_one_gpu(flags, tmp_path):
     """2 ranks x batch 4 == 1 process x batch 8, with test_two_gpus_equal_one_gpu's tolerance (TF32 and the
     embedding backward's atomics)."""

@@ -72,10 +72,13 @@ class GraphedStep:
         # Called by the backward pass once layer k's weight-gradient GEMMs are queued on the second stream: the
         # all-reduces of those gradients start there, after the GEMMs, without holding up the GEMMs queued later.
         params = self.model.layer_projection_parameters(k)
-        self.summed_params.update(id(p) for p in params)
 
         def start():
-            self.started_sums += self.gradient_sync.start_sum(params)
+            # Only gradients that exist now are started (all of them: the stream set each .grad as it queued
+            # its GEMM); any other is left to the sums after the backward pass, so none is ever skipped.
+            started = [p for p in params if p.grad is not None]
+            self.summed_params.update(id(p) for p in started)
+            self.started_sums += self.gradient_sync.start_sum(started)
         self.model.weight_grad_stream.run_after_queued(start)
 
     def _update_first_group(self):

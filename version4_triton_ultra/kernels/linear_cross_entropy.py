@@ -43,7 +43,8 @@ MAX_BLOCK_V = 4096
 # With 32 MiB chunks (512 rows there, 16 chunks) that made 15 additions per step, ~1.8 ms of a ~27 ms step by
 # this arithmetic (a profile of the step showed ~20 element-wise kernels of ~130 us each). 256 MiB (4160 rows
 # there) leaves one addition at the medium and large presets, for 224 MiB more memory at the end of the
-# forward pass.
+# forward pass. Measured on an H100 (tiny_llama_v4.py --use-amp, 32 MiB and 256 MiB runs interleaved): medium
+# 27.07 -> 24.57 ms a step (591 -> 651 samples/s, peak 6,897 -> 7,238 MiB); large 117.6 -> 113.1 ms.
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 # Chunk lengths are multiples of this (matmul tiles are usually 64 or 128 rows).
 CHUNK_ROW_MULTIPLE = 64

@@ -25,6 +25,41 @@ def test_committed_results_record_machine_and_command():
         assert all("samples_per_s" in row or "error" in row for row in results["rows"]), path.name
 
 
+def test_committed_scaling_results_record_machine_and_command():
+    for path in (REPO_ROOT / "benchmarks" / "results" / "scaling").glob("*.json"):
+        results = json.loads(path.read_text())
+        assert results["command"].startswith("python benchmarks/scaling.py"), path.name
+        assert results["environment"].get("gpu") and results["environment"].get("gpus_visible"), path.name
+        assert all("samples_per_s" in row or "error" in row for row in results["rows"]), path.name
+
+
+def test_scaling_table_says_how_each_row_averaged_its_gradients(tmp_path):
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from scaling_table import scaling_table
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "gpus_visible": 2, "torch": "2.x"}
+    figures = {"global_batch_size": 16, "samples_per_s": 100.0, "median_step_ms": 10.0, "speedup": 1.0,
+               "efficiency": 1.0, "mfu": 0.4, "peak_memory_mib_per_gpu": 1000.0}
+    files = {
+        "a.json": {"engine": "ddp", "zero_stage": 0, "extra_flags": ["--enable-torch-compile"], "rows": [
+            {"version": "v2", "preset": "large", "gpus": 2, "launcher": "torchrun", "gradients_averaged_by": "ddp",
+             "repeats_samples_per_s": [99.0, 100.0, 101.0], **figures},
+            {"version": "v4", "preset": "medium", "gpus": 1, "launcher": "none", **figures}]},
+        "b.json": {"engine": "deepspeed", "zero_stage": 2, "extra_flags": [], "rows": [
+            {"version": "v1", "preset": "medium", "gpus": 2, "launcher": "torchrun", "error": "exit 1"},
+            {"version": "v4", "preset": "medium", "gpus": 2, "launcher": "torchrun", "gradients_averaged_by": "step",
+             **figures}]},
+    }
+    for name, results in files.items():
+        (tmp_path / name).write_text(json.dumps({"environment": env, **results}))
+    lines = scaling_table(tmp_path).splitlines()[2:]
+    assert [line.split(" | ")[0] for line in lines] == [   # medium before large
+        "| v1, DeepSpeed ZeRO-2", "| v4 + torch.compile, one process, nothing to average", "| v4, DeepSpeed ZeRO-2",
+        "| v2 + torch.compile, DDP"]
+    assert lines[0].endswith("| failed: exit 1 |")
+    assert "| 2 x H100 | median of 3 | `a.json` |" in lines[3]
+    assert "| 1 (no torchrun) |" in lines[1]
+
+
 def test_compare_versions_runs_on_cpu_and_checks_agreement(tmp_path):
     out = tmp_path / "r.json"
     command = [sys.executable, "benchmarks/compare_versions.py", "--variants", "v1,v2", "--num-steps", "3",

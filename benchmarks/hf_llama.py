@@ -8,6 +8,8 @@ and fused linear cross-entropy patched in (Liger-Kernel's own `apply_liger_kerne
     python benchmarks/hf_llama.py --preset small --use-amp                         (hf)
     python benchmarks/hf_llama.py --preset small --use-amp --enable-torch-compile  (hf+compile)
     python benchmarks/hf_llama.py --preset small --use-amp --liger                 (hf+liger)
+    python benchmarks/hf_llama.py --preset small --use-amp --liger --enable-torch-compile
+                                                  (hf+liger+compile: the decoder compiled, Liger's loss eager)
 
 Needs `pip install -r requirements-peers.txt` (transformers; liger-kernel for --liger); without it, one line
 says so. benchmarks/compare_versions.py runs it as the rows hf, hf+compile, hf+liger and hf+liger+compile.
@@ -48,8 +50,13 @@ def build_model(config, args):
     if args.liger:
         apply_liger(model)
     if args.enable_torch_compile:
-        # Compiles the Hugging Face module's forward (and, through AOTAutograd, its backward) in place.
-        model.hf.compile(mode=args.torch_compile_mode)
+        # Compiles the module's forward (and, through AOTAutograd, its backward) in place. With Liger-Kernel, only
+        # the decoder (embedding, layers, final norm): Liger's fused linear cross-entropy cannot be traced by
+        # torch.compile on GPUs with PyTorch >= 2.8 (its float32 grad_weight accumulation dispatches to
+        # aten.addmm.dtype_out, which fake tensors and Inductor reject: Liger-Kernel issue #1327), and it is
+        # Liger's own Triton kernels either way, so it runs eagerly after the compiled decoder.
+        target = model.hf.model if args.liger else model.hf
+        target.compile(mode=args.torch_compile_mode)
     return model
 
 
@@ -57,6 +64,8 @@ def describe(args) -> dict:
     import transformers
     kernels = "Liger-Kernel (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)" if args.liger else "PyTorch's (SDPA)"
     compiled = f"torch.compile(mode={args.torch_compile_mode})" if args.enable_torch_compile else "eager"
+    if args.enable_torch_compile and args.liger:
+        compiled += " of the decoder; Liger's fused loss eager"
     return {"model": f"transformers {transformers.__version__} LlamaForCausalLM", "kernels": kernels,
             "execution": compiled}
 

@@ -4,7 +4,10 @@ From version 1's canonical weights, the Hugging Face model gives version 1's log
 (against version 1 in float64 on the CPU; in float32 and bfloat16 on a GPU, with Liger-Kernel too, whose Triton
 kernels do not run in Triton's CPU interpreter). Skipped where `transformers` is not installed (CI installs it).
 """
+import argparse
 import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,9 @@ from tinytransformer.config import ConfigError, ModelConfig
 from tinytransformer.equivalence import canonical, compare, forward_backward, random_batch
 
 from .test_versions import model_class
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import hf_llama  # noqa: E402  (benchmarks/hf_llama.py: how the benchmark builds each peer row)
 
 transformers = pytest.importorskip("transformers")
 HAS_GPU = torch.cuda.is_available()
@@ -104,19 +110,33 @@ def test_liger_replaces_norms_feed_forward_rope_and_loss(restore_transformers_ll
     assert liger_module(model.hf.forward) and liger_module(modeling_llama.apply_rotary_pos_emb)
 
 
+def peer_arguments(liger, compiled):
+    return argparse.Namespace(liger=liger, enable_torch_compile=compiled, torch_compile_mode="default")
+
+
+def test_with_liger_compile_takes_the_decoder_and_leaves_the_fused_loss_eager(monkeypatch):
+    """Liger's fused linear cross-entropy cannot be traced by torch.compile (benchmarks/hf_llama.py says why):
+    the hf+liger+compile row compiles the decoder only; hf+compile compiles the whole model."""
+    monkeypatch.setattr(hf_llama, "apply_liger", lambda model: None)   # its kernels need a GPU; not the point here
+    whole = hf_llama.build_model(SHAPES[1], peer_arguments(liger=False, compiled=True))
+    decoder = hf_llama.build_model(SHAPES[1], peer_arguments(liger=True, compiled=True))
+    assert whole.hf._compiled_call_impl is not None
+    assert decoder.hf._compiled_call_impl is None and decoder.hf.model._compiled_call_impl is not None
+    assert "of the decoder; Liger's fused loss eager" in hf_llama.describe(peer_arguments(True, True))["execution"]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("liger", [False, True], ids=["hf", "hf+liger"])
+@pytest.mark.parametrize("liger, compiled", [(False, False), (True, False), (True, True)],
+                         ids=["hf", "hf+liger", "hf+liger+compile"])
 @pytest.mark.parametrize("autocast_dtype, tolerance", [(None, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
-def test_hf_matches_version1_on_gpu(liger, autocast_dtype, tolerance, restore_transformers_llama):
+def test_hf_matches_version1_on_gpu(liger, compiled, autocast_dtype, tolerance, restore_transformers_llama):
     if liger and importlib.util.find_spec("liger_kernel") is None:
         pytest.skip("Liger-Kernel is not installed")
     config = ModelConfig(vocab_size=1000, hidden_dim=256, num_layers=4, num_heads=8, intermediate_size=512)
     weights = canonical(config, seed=7)
     inputs, targets = random_batch(config, batch=4, seq=128, device="cpu", seed=2)
     reference = float64_reference(config, weights, inputs, targets)
-    model = hf.HFTinyLlama(config).cuda()
-    if liger:
-        hf.apply_liger(model)
+    model = hf_llama.build_model(config, peer_arguments(liger, compiled)).cuda()
     candidate = forward_backward(model, {k: v.cuda() for k, v in weights.items()}, inputs.cuda(), targets.cuda(),
                                  autocast_dtype=autocast_dtype)
     assert not compare(reference, candidate, tolerance=tolerance)

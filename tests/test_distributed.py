@@ -446,11 +446,14 @@ def test_version_4_keeps_its_graph_under_ddp_and_falls_back_to_eager_under_deeps
 # ----------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4"])
-def test_two_gpus_equal_one_gpu(version, tmp_path):
+@pytest.mark.parametrize("version, flags", [("v1", []), ("v2", []), ("v3", []), ("v4", []),
+                                            pytest.param("v2", ["--enable-torch-compile"], marks=pytest.mark.slow)],
+                         ids=["v1", "v2", "v3", "v4", "v2+compile"])
+def test_two_gpus_equal_one_gpu(version, flags, tmp_path):
     """NCCL (RCCL) between two GPUs. Tolerance: TF32 (v4's default) and atomics (v4's embedding backward) make
-    GPU runs differ slightly more than float32 on the CPU."""
-    gpu = [arg if arg != "cpu" else "cuda" for arg in RUN]
+    GPU runs differ slightly more than float32 on the CPU. Version 2 + torch.compile under DDP too (the scaling
+    table's row; slow: two compilations)."""
+    gpu = [arg if arg != "cpu" else "cuda" for arg in RUN] + flags
     out1, out2 = tmp_path / "one.json", tmp_path / "two.json"
     one = run([sys.executable, SCRIPTS[version], *gpu, "--batch-size", 8, "--output-json", out1], cwd=tmp_path,
               on_gpu=True)

@@ -34,7 +34,8 @@ import tempfile
 from datetime import datetime
 from pathlib import Path
 
-from table_format import NO_MATPLOTLIB, fmt, markdown_header, markdown_row
+from scaling_table import gpus_cell
+from table_format import NO_MATPLOTLIB, fmt, markdown_header, markdown_row, percent
 from training_runs import REPO_ROOT, SCRIPTS, run_training, triton_shape_problem
 
 sys.path.insert(0, str(REPO_ROOT))  # the shared harness: result files and plots
@@ -123,16 +124,12 @@ def add_efficiency(rows: list[dict]) -> None:
             row["speedup"] = row["efficiency"] = None
 
 
-def percent(fraction) -> str:
-    return fmt(100 * fraction if isinstance(fraction, (int, float)) else None, ".1f", "%")
-
-
 def table(rows: list[dict]) -> str:
     header = ("version", "preset", "GPUs", "global batch", "samples/s", "step ms", "speed-up", "efficiency",
               "MFU", "MiB/GPU")
     lines = markdown_header(header)
     for r in rows:
-        gpus = "1 (no torchrun)" if r.get("launcher") == "none" else str(r["gpus"])
+        gpus = gpus_cell(r)
         if "error" in r:
             lines.append(f"| {r['version']} | {r['preset']} | {gpus} | failed: {r['error']} |")
             continue

@@ -7,7 +7,7 @@ table between README's scaling markers, so no scaling figure in the README is ty
 import json
 from pathlib import Path
 
-from table_format import fmt, markdown_header, markdown_row
+from table_format import fmt, markdown_header, markdown_row, percent
 
 PRESET_ORDER = ("tiny", "small", "medium", "large")
 
@@ -40,7 +40,7 @@ def gpus_cell(row: dict) -> str:
     return "1 (no torchrun)" if row.get("launcher") == "none" else str(row["gpus"])
 
 
-def runs_cell(results: dict, row: dict) -> str:
+def runs_cell(row: dict) -> str:
     """'1', or 'median of 3' where scaling.py --repeats ran the point several times."""
     runs = len(row.get("repeats_samples_per_s") or [None])
     return f"median of {runs}" if runs > 1 else "1"
@@ -51,9 +51,8 @@ def table_line(results: dict, row: dict, file_name: str) -> str:
         return f"| {what_ran(results, row)} | {row['preset']} | {gpus_cell(row)} | failed: {row['error']} |"
     cells = (what_ran(results, row), row["preset"], gpus_cell(row), str(row["global_batch_size"]),
              fmt(row["samples_per_s"], ",.0f"), fmt(row["median_step_ms"], ".2f"), fmt(row.get("speedup"), ".2f", "x"),
-             fmt(100 * row["efficiency"] if row.get("efficiency") is not None else None, ".1f", "%"),
-             fmt(100 * row["mfu"] if row.get("mfu") is not None else None, ".1f", "%"),
-             fmt(row["peak_memory_mib_per_gpu"], ",.0f"), machine(results), runs_cell(results, row),
+             percent(row.get("efficiency")), percent(row.get("mfu")),
+             fmt(row["peak_memory_mib_per_gpu"], ",.0f"), machine(results), runs_cell(row),
              f"`{file_name}`")
     return markdown_row(cells)
 
@@ -63,7 +62,7 @@ def scaling_table(directory: Path) -> str:
     entries = []
     for path in sorted(directory.glob("*.json")):
         results = json.loads(path.read_text())
-        for index, row in enumerate(results["rows"]):
+        for row in results["rows"]:
             order = PRESET_ORDER.index(row["preset"]) if row["preset"] in PRESET_ORDER else len(PRESET_ORDER)
             key = (order, machine(results), what_ran(results, row), row["gpus"], row.get("launcher") != "none")
             entries.append((key, table_line(results, row, path.name)))

@@ -9,6 +9,11 @@ def fmt(value, spec: str, suffix: str = "") -> str:
     return format(value, spec) + suffix if isinstance(value, (int, float)) else "n/a"
 
 
+def percent(fraction) -> str:
+    """A fraction as a percentage with one decimal ("89.8%"), or "n/a" when it is missing."""
+    return fmt(100 * fraction if isinstance(fraction, (int, float)) else None, ".1f", "%")
+
+
 def markdown_row(cells) -> str:
     return "| " + " | ".join(cells) + " |"
 

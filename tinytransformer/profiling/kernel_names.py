@@ -33,8 +33,11 @@ from __future__ import annotations
 import functools
 import re
 
-# The loss's kernels, by name: a family of their own, and the "loss" part of a replay's forward pass.
+# Name patterns that are both a family and a model part of a replay's forward pass (written once for both).
 LOSS = r"cross_entropy|log_softmax|logsoftmax|nll_loss|mean_loss"
+RMSNORM = r"rms_norm|rmsnorm"
+ROPE = r"rope|rotate"
+SWIGLU = r"swiglu|silu"
 
 # (family, pattern), matched in order against the lower-cased kernel name; the first match wins. The order
 # matters: names are whole demangled signatures, so PyTorch's flash attention kernels mention cutlass (attention
@@ -45,9 +48,9 @@ FAMILIES = (
     ("cross_entropy", LOSS + r"|_scale_pair"),
     ("attention", r"flash|attention|fmha|sdpa|attn_fwd|bwd_kernel_d|softmax"),
     ("gemm", r"gemm|gemv|xmma|nvjet|cutlass|cijk_|matmul|splitk|dot_kernel|triton_tem_"),
-    ("rmsnorm", r"rms_norm|rmsnorm|rsqrt"),
-    ("rope", r"rope|rotate"),
-    ("swiglu", r"swiglu|silu"),
+    ("rmsnorm", RMSNORM + r"|rsqrt"),
+    ("rope", ROPE),
+    ("swiglu", SWIGLU),
     ("communication", r"nccl|rccl|allreduce|all_reduce"),
     ("embedding", r"embedding"),
     ("optimizer", r"adam|sgd|lamb"),
@@ -74,9 +77,9 @@ OPTIMIZER = re.compile(r"adam|sgd|lamb", re.IGNORECASE)
 FORWARD_PARTS = (
     ("loss", LOSS),
     ("attention", r"flash|attention|fmha|sdpa|qkv"),   # qkv: the QKV GEMM with RoPE in its epilogue
-    ("ffn", r"swiglu|silu|gate_up"),
-    ("rmsnorm", r"rms_norm|rmsnorm"),
-    ("rope", r"rope|rotate"),
+    ("ffn", SWIGLU + r"|gate_up"),
+    ("rmsnorm", RMSNORM),
+    ("rope", ROPE),
 )
 
 

@@ -1,7 +1,8 @@
 """The tables of a trace as text: fixed-width console tables, markdown, CSV, and the report files of a profile.
 
 write_reports writes operators.csv, kernels.csv, phases.csv, families.csv (every row) and summary.md (the top
-rows) beside a trace; the trainer calls it after a profiled run, the profiler commands and the report command on request.
+rows) beside a trace; the trainer calls it after a profiled run, the profiler commands and the report command on
+request.
 """
 from __future__ import annotations
 

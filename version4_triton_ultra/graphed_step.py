@@ -32,8 +32,9 @@ class GraphedStep:
     of layer k's projection weights start on the second stream after them, and run while the layers below
     compute theirs, as DDP's gradient buckets do. (At the medium preset the projections and the output head are
     85% of the parameters; all-reduced after the backward pass, they cost a two-GPU step ~4 ms of its ~29.) The
-    early update (below) waits for those all-reduces before it updates the first group. The rest (layer 0's
-    projections, the norms, the embedding) is summed after the backward pass. The eager warm-up steps take the
+    early update (below) waits for those all-reduces before it updates the first group. The embedding's and the
+    norms' all-reduces start on the main stream as soon as backward() returns, beside the second stream's last
+    work; layer 0's projections are summed after the join. The eager warm-up steps take the
     same path: their all-reduces are real, and they set NCCL's communication up before the capture
     (check_arguments requires --graph-warmup-steps >= 1).
     """
@@ -81,6 +82,17 @@ class GraphedStep:
             self.started_sums += self.gradient_sync.start_sum(started)
         self.model.weight_grad_stream.run_after_queued(start)
 
+    def _start_main_stream_sums(self) -> None:
+        # Called once backward() has returned: the main stream has queued the gradients autograd computes itself
+        # (the embedding's, the norms'), while the weight-gradient stream may still be busy with the early update
+        # and layer 0's GEMMs. Those gradients' all-reduces start now, beside that work, instead of after the join;
+        # layer 0's projections (written by the second stream) are left to the sums after it.
+        on_second_stream = {id(p) for p in self.model.layer_projection_parameters(0)}
+        ready = [p for p in self.model.parameters() if p.grad is not None
+                 and id(p) not in self.summed_params and id(p) not in on_second_stream]
+        self.summed_params.update(id(p) for p in ready)
+        self.started_sums += self.gradient_sync.start_sum(ready)
+
     def _update_first_group(self):
         # On the weight-gradient stream, after its GEMMs: the first group's all-reduces (or the wait for those the
         # layers started), then its update, both beside layer 0's backward pass on the main stream.
@@ -105,6 +117,8 @@ class GraphedStep:
                 # Under data parallel the gradients come out divided by the number of ranks, so that their sum
                 # over the ranks is the average (gradient_sync.py); at one rank the scale is exactly 1.
                 (loss * self.gradient_sync.loss_scale if self.gradient_sync is not None else loss).backward()
+                if self.sums_by_layer:
+                    self._start_main_stream_sums()
                 self.model.join_weight_gradients()   # with the second stream: its GEMMs finish before the optimizer
         finally:
             self.model.early_update = self.model.layer_gradients_queued = None

@@ -64,6 +64,18 @@ def test_a_capturable_optimizer_gets_a_tensor_learning_rate():
     assert capturable.param_groups[0]["lr"] is tensor and tensor.item() == pytest.approx(2e-4)
 
 
+def test_groups_of_one_learning_rate_share_one_tensor():
+    """Version 4 has an optimizer group per layer: one tensor for all, filled once per step."""
+    weights = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
+    optimizer = torch.optim.AdamW([{"params": [w]} for w in weights[:2]] + [{"params": [weights[2]], "lr": 5e-3}],
+                                  lr=1e-3, capturable=True)
+    make_learning_rate_a_tensor(optimizer)
+    first, second, third = (group["lr"] for group in optimizer.param_groups)
+    assert first is second and third is not first and third.item() == pytest.approx(5e-3)
+    set_learning_rate(optimizer, 2e-4)
+    assert first.item() == pytest.approx(2e-4) and third.item() == pytest.approx(2e-4)
+
+
 def test_the_trainer_follows_the_schedule(tmp_path):
     out = tmp_path / "m.json"
     code = v1_main(TINY + ["--num-steps", "12", "--lr-schedule", "cosine", "--lr-warmup-steps", "3",

@@ -320,17 +320,21 @@ def test_step_groups_updates_only_the_named_groups(device):
     assert_same_training(params, reference, optimizer, reference_optimizer)
 
 
-def test_model_groups_the_weights_complete_before_layer0s_backward():
+def test_model_groups_each_layers_weights_complete_before_layer0s_backward():
     from version4_triton_ultra.tiny_llama_v4 import TinyLlama
     model = TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=3, num_heads=2, intermediate_size=64,
                                   max_seq_len=16))
     optimizer = model.configure_optimizer(TrainConfig())
-    early, rest = (group["params"] for group in optimizer.param_groups)
+    last, middle, rest = optimizer.param_groups
+    assert (last["layer"], middle["layer"], rest.get("layer")) == (2, 1, None)   # the order backward reaches them
     names = {id(p): name for name, p in model.named_parameters()}
     projections = ("attention.qkv_proj", "attention.o_proj", "feed_forward.gate_up_proj", "feed_forward.down_proj")
-    assert sorted(names[id(p)] for p in early) == sorted(
-        [f"layers.{i}.{m}.weight" for i in (1, 2) for m in projections] + ["lm_head.weight"])
-    assert sorted(names[id(p)] for p in early + rest) == sorted(names.values())
+    assert sorted(names[id(p)] for p in last["params"]) == sorted(
+        [f"layers.2.{m}.weight" for m in projections] + ["lm_head.weight"])
+    assert sorted(names[id(p)] for p in middle["params"]) == sorted(f"layers.1.{m}.weight" for m in projections)
+    early = last["params"] + middle["params"]
+    assert sorted(map(id, early)) == sorted(map(id, model.parameters_final_before_layer0_backward()))
+    assert sorted(names[id(p)] for p in early + rest["params"]) == sorted(names.values())
     one_layer = TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=1, num_heads=2,
                                       intermediate_size=64, max_seq_len=16))
     assert len(one_layer.configure_optimizer(TrainConfig()).param_groups) == 1

@@ -66,7 +66,7 @@ class WeightGradientStream:
 
     def run_after_queued(self, work) -> None:
         """Call work() on the side stream, ordered after every GEMM queued so far and after everything the main
-        stream has done so far (the optimizer's early update: GraphedStep._update_first_group)."""
+        stream has done so far (the optimizer's updates during the backward pass: GraphedStep._update_layer)."""
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
             work()

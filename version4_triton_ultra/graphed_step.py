@@ -24,19 +24,25 @@ class GraphedStep:
     streams: the projections' weight-gradient GEMMs run beside the rest of the backward pass (this switches the
     model's WeightGradientStream on or off).
 
+    The optimizer runs mostly inside the backward pass. TritonAdamW gets one parameter group per layer from the
+    last down to layer 1 (the output head with the last), then the rest (layer 0, the norms, the embedding):
+    model.configure_optimizer tags each group with its layer. Once the backward pass has queued layer k's
+    weight-gradient GEMMs (the model's layer_gradients_queued hook), the second stream updates layer k+1's
+    weights, whose gradients are complete and which no later part of the backward pass reads; layer 1's are
+    updated when only layer 0's backward is left (the model's early_update hook). So the update of ~85% of the
+    parameters at the medium preset runs beside the backward pass instead of after it; the rest is updated after
+    the backward pass. (One layer late: under data parallel the update of layer k+1 waits for its all-reduces,
+    which then have had layer k's weight GEMMs to finish.)
+
     Under torchrun (DDP), `gradient_sync` (tinytransformer/gradient_sync.py) averages the gradients over the ranks
     inside the step, so the graph captures the all-reduces too; the model is not wrapped in DDP, whose hooks
     would miss the gradients the weight-gradient stream writes. The loss is scaled by 1/ranks before backward and
-    the gradients are summed. With the weight-gradient stream, layer by layer during the backward pass: once the
-    pass has queued layer k's weight-gradient GEMMs (the model's layer_gradients_queued hook), the all-reduces
-    of layer k's projection weights start on the second stream after them, and run while the layers below
-    compute theirs, as DDP's gradient buckets do. (At the medium preset the projections and the output head are
-    85% of the parameters; all-reduced after the backward pass, they cost a two-GPU step ~4 ms of its ~29.) The
-    early update (below) waits for those all-reduces before it updates the first group. The embedding's and the
-    norms' all-reduces start on the main stream as soon as backward() returns, beside the second stream's last
-    work; layer 0's projections are summed after the join. The eager warm-up steps take the
-    same path: their all-reduces are real, and they set NCCL's communication up before the capture
-    (check_arguments requires --graph-warmup-steps >= 1).
+    the gradients are summed, as early as each is complete: layer k's projection weights (with the last layer,
+    the output head) on the second stream right after their GEMMs, at the same hook, while the layers below
+    compute theirs, as DDP's gradient buckets do; the embedding's and the norms' on the main stream as soon as
+    backward() returns, beside the second stream's last work; layer 0's projections after the two streams join.
+    The eager warm-up steps take the same path: their all-reduces are real, and they set NCCL's communication up
+    before the capture (check_arguments requires --graph-warmup-steps >= 1).
     """
 
     supports_breakdown = False
@@ -50,63 +56,71 @@ class GraphedStep:
         self.warmup_steps, self.calls = warmup_steps, 0
         self.graph = None
         self.side_stream = torch.cuda.Stream(device)
-        # With the second stream and TritonAdamW's two groups, the first group (the weights of layers 1 and up,
-        # and the output head) is updated on the second stream while the main stream still runs layer 0's
-        # backward: that part of the optimizer no longer waits for the end of the backward pass.
-        self.updates_early = (weight_gradient_stream and hasattr(optimizer, "step_groups")
-                              and len(optimizer.param_groups) > 1)
-        # Layer-by-layer all-reduces need the second stream: only there are a layer's weight gradients known to
-        # be queued when the backward pass leaves the layer (autograd accumulates its own when it sees fit).
+        # Layer k -> the index of the optimizer group holding its weights (TritonAdamW from configure_optimizer).
+        # Updating during the backward pass needs the second stream, where a layer's weight gradients are known
+        # to be queued when the backward pass leaves the layer (autograd accumulates its own when it sees fit).
+        self.layer_groups = {group["layer"]: index for index, group in enumerate(optimizer.param_groups)
+                             if group.get("layer") is not None}
+        self.updates_early = weight_gradient_stream and hasattr(optimizer, "step_groups") and bool(self.layer_groups)
         self.sums_by_layer = gradient_sync is not None and weight_gradient_stream
-        self.started_sums, self.summed_params = [], set()   # this step's all-reduce handles and their params
+        self.layer_sums, self.main_sums = {}, []   # this step's all-reduce handles: per layer, main stream's
+        self.summed_params = set()                 # the parameters whose all-reduces have started this step
 
-    def _sum_gradients(self, group_indices) -> None:
-        """Under data parallel: these groups' gradients summed over the ranks (already scaled by 1/ranks), on the
-        current stream: those no layer started (_start_layer_sums), then a wait for those that were."""
+    def _start_sums(self, params) -> list:
+        started = [p for p in params if p.grad is not None and id(p) not in self.summed_params]
+        self.summed_params.update(id(p) for p in started)
+        return self.gradient_sync.start_sum(started)
+
+    def _sum_and_finish(self, params, handles) -> None:
+        """On the current stream: all-reduce those of params no hook started (none is ever skipped), then wait
+        for the handles of those that were."""
+        self.gradient_sync.sum_(p for p in params if id(p) not in self.summed_params)
+        self.summed_params.update(id(p) for p in params)
+        self.gradient_sync.finish(handles)
+
+    def _update_layer(self, k: int) -> None:
+        # On the second stream: layer k's weights, once their all-reduces (under data parallel) are done.
+        index = self.layer_groups[k]
         if self.gradient_sync is not None:
-            for index in group_indices:
-                params = self.optimizer.param_groups[index]["params"]
-                self.gradient_sync.sum_(p for p in params if id(p) not in self.summed_params)
-            self.gradient_sync.finish(self.started_sums)
+            self._sum_and_finish(self.optimizer.param_groups[index]["params"], self.layer_sums.pop(k, []))
+        self.optimizer.step_groups([index])
 
-    def _start_layer_sums(self, k: int) -> None:
-        # Called by the backward pass once layer k's weight-gradient GEMMs are queued on the second stream: the
-        # all-reduces of those gradients start there, after the GEMMs, without holding up the GEMMs queued later.
-        params = self.model.layer_projection_parameters(k)
+    def _layer_gradients_queued(self, k: int) -> None:
+        # Called by the backward pass once layer k's weight-gradient GEMMs are queued on the second stream: there,
+        # after them, layer k's all-reduces start and layer k+1 (if any) is updated.
+        def work():
+            if self.sums_by_layer:
+                self.layer_sums[k] = self._start_sums(self.model.layer_projection_parameters(k))
+            if self.updates_early and k + 1 in self.layer_groups:
+                self._update_layer(k + 1)
+        self.model.weight_grad_stream.run_after_queued(work)
 
-        def start():
-            # Only gradients that exist now are started (all of them: the stream set each .grad as it queued
-            # its GEMM); any other is left to the sums after the backward pass, so none is ever skipped.
-            started = [p for p in params if p.grad is not None]
-            self.summed_params.update(id(p) for p in started)
-            self.started_sums += self.gradient_sync.start_sum(started)
-        self.model.weight_grad_stream.run_after_queued(start)
+    def _update_layer_one(self) -> None:
+        # Only layer 0's backward is left: layer 1's weights are updated on the second stream, beside it.
+        self.model.weight_grad_stream.run_after_queued(lambda: self._update_layer(1))
 
     def _start_main_stream_sums(self) -> None:
-        # Called once backward() has returned: the main stream has queued the gradients autograd computes itself
-        # (the embedding's, the norms'), while the weight-gradient stream may still be busy with the early update
-        # and layer 0's GEMMs. Those gradients' all-reduces start now, beside that work, instead of after the join;
-        # layer 0's projections (written by the second stream) are left to the sums after it.
+        # backward() has returned: the main stream has queued the gradients autograd computes itself (the
+        # embedding's, the norms'). Layer 0's projections are written by the second stream: summed after the join.
         on_second_stream = {id(p) for p in self.model.layer_projection_parameters(0)}
-        ready = [p for p in self.model.parameters() if p.grad is not None
-                 and id(p) not in self.summed_params and id(p) not in on_second_stream]
-        self.summed_params.update(id(p) for p in ready)
-        self.started_sums += self.gradient_sync.start_sum(ready)
+        self.main_sums = self._start_sums(p for p in self.model.parameters() if id(p) not in on_second_stream)
 
-    def _update_first_group(self):
-        # On the weight-gradient stream, after its GEMMs: the first group's all-reduces (or the wait for those the
-        # layers started), then its update, both beside layer 0's backward pass on the main stream.
-        def sum_and_update():
-            self._sum_gradients([0])
-            self.optimizer.step_groups([0])
-        self.model.weight_grad_stream.run_after_queued(sum_and_update)
+    def _finish_after_backward(self, group_indices) -> None:
+        """Under data parallel, on the main stream after the join: these groups' gradients all summed."""
+        if self.gradient_sync is None:
+            return
+        params = [p for index in group_indices for p in self.optimizer.param_groups[index]["params"]]
+        handles = self.main_sums + [h for k in sorted(self.layer_sums) for h in self.layer_sums[k]]
+        self._sum_and_finish(params, handles)
+        self.layer_sums.clear()
 
     def _step(self, inputs, targets):
         # The model calls back during the backward pass of THIS step only: set for the step, then removed, so
-        # that no other backward pass through the model (an eager step, a check) updates the first group.
-        self.model.early_update = self._update_first_group if self.updates_early else None
-        self.model.layer_gradients_queued = self._start_layer_sums if self.sums_by_layer else None
-        self.started_sums, self.summed_params = [], set()
+        # that no other backward pass through the model (an eager step, a check) updates or sums anything.
+        hooked = self.updates_early or self.sums_by_layer
+        self.model.early_update = self._update_layer_one if self.updates_early else None
+        self.model.layer_gradients_queued = self._layer_gradients_queued if hooked else None
+        self.layer_sums, self.main_sums, self.summed_params = {}, [], set()
         try:
             # cache_enabled=False: autocast's weight-cast cache would hold tensors created outside the graph.
             with torch.autocast("cuda", dtype=self.autocast_dtype or torch.bfloat16,
@@ -123,12 +137,12 @@ class GraphedStep:
         finally:
             self.model.early_update = self.model.layer_gradients_queued = None
         with profile_range("optimizer"):
-            if self.updates_early:   # the first group was summed and updated during the backward pass
-                rest = range(1, len(self.optimizer.param_groups))
-                self._sum_gradients(rest)
+            updated = set(self.layer_groups.values()) if self.updates_early else set()
+            rest = [index for index in range(len(self.optimizer.param_groups)) if index not in updated]
+            self._finish_after_backward(range(len(self.optimizer.param_groups)))
+            if updated:
                 self.optimizer.step_groups(rest)
             else:
-                self._sum_gradients(range(len(self.optimizer.param_groups)))
                 self.optimizer.step()
         return loss.detach()
 

@@ -32,11 +32,13 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      step version 4's spec gives the harness; --no-cuda-graph to compare). Inside it, the weight-gradient GEMMs
      of the backward pass run on a second stream, at the same time as the rest of the backward pass
      (WeightGradientStream in backward_overlap.py; --no-weight-grad-stream to compare). Once the backward
-     pass reaches layer 0, the later layers' projection weights and the output head have their final gradients:
-     the optimizer updates them there, on the second stream, while layer 0's backward runs (CallDuringBackward);
-     the rest after the backward pass. With --torch-adamw the bfloat16 weight copy runs on the second stream
-     instead, beside the embedding lookup and first norm, which do not need it. Under torchrun the step also
-     averages the gradients over the ranks with all-reduces captured in the graph, instead of the DDP wrapper
+     pass has left a layer, its projection weights (for the last layer, the output head's too) have their final
+     gradients and nothing reads them any more: the optimizer updates them one layer later, on the second
+     stream, while the main stream runs the backward pass of the layers below (CallDuringBackward, one
+     optimizer group per layer); the rest (layer 0, the norms, the embedding) after the backward pass. With
+     --torch-adamw the bfloat16 weight copy runs on the second stream instead, beside the embedding lookup and
+     first norm, which do not need it. Under torchrun the step also averages the gradients over the ranks with
+     all-reduces captured in the graph, instead of the DDP wrapper
      (tinytransformer/gradient_sync.py): each layer's start on the second stream as soon as the backward pass
      has queued its weight gradients, beside the backward pass of the layers below.
  10. TF32 tensor cores for float32 matmuls (--no-tf32 for exact float32): the same precision Triton already
@@ -215,7 +217,8 @@ class TinyLlama(nn.Module):
         self.copied_versions = None   # the weights' version counters when the copies were last made
         self.early_update = None   # called during backward once layer 0's is all that is left (GraphedStep)
         # Called during backward with k once layer k's projection weight gradients are all queued (k = L-1 down
-        # to 1; GraphedStep starts their all-reduces there under data parallel). Needs the weight-gradient stream.
+        # to 1; GraphedStep starts their all-reduces there under data parallel, and updates layer k+1's weights).
+        # Needs the weight-gradient stream.
         self.layer_gradients_queued = None
         self.weight_grad_stream = None   # a WeightGradientStream once use_weight_gradient_stream() is called
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
@@ -349,12 +352,13 @@ class TinyLlama(nn.Module):
         hyper = dict(lr=train.learning_rate, betas=(0.9, 0.95), weight_decay=train.weight_decay)
         self.optimizer_writes_copies = self.use_triton_adamw and not train.uses_deepspeed
         if self.optimizer_writes_copies:
-            # Two parameter groups: the first can be updated before the backward pass ends (GraphedStep).
-            early = self.parameters_final_before_layer0_backward()
-            early_ids = {id(p) for p in early}
+            # One group per layer from the last down to layer 1, tagged with its layer: GraphedStep updates each
+            # during the backward pass, once the layer below has queued its weight gradients. Then the rest.
+            by_layer = [{"params": self.layer_projection_parameters(k), "layer": k}
+                        for k in range(len(self.layers) - 1, 0, -1)]
+            early_ids = {id(p) for group in by_layer for p in group["params"]}
             rest = [p for p in self.parameters() if id(p) not in early_ids]
-            groups = [{"params": early}, {"params": rest}] if early else [{"params": rest}]
-            return TritonAdamW(groups, sixteen_bit_copies=self.sixteen_bit_copies, **hyper)
+            return TritonAdamW(by_layer + [{"params": rest}], sixteen_bit_copies=self.sixteen_bit_copies, **hyper)
         on_gpu = next(self.parameters()).is_cuda
         return torch.optim.AdamW(self.parameters(), fused=on_gpu or None,
                                  capturable=on_gpu and self.capturable_optimizer, **hyper)

@@ -35,9 +35,12 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
     make_learning_rate_a_tensor), is updated in place: the captured graph re-reads that very tensor on every
     replay, while a new Python float would never reach it.
     """
+    filled = set()   # groups may share one tensor (make_learning_rate_a_tensor): fill it once
     for group in optimizer.param_groups:
         if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
+            if id(group["lr"]) not in filled:
+                group["lr"].fill_(lr)
+                filled.add(id(group["lr"]))
         else:
             group["lr"] = lr
 
@@ -49,7 +52,14 @@ def schedule_varies(train: TrainConfig) -> bool:
 def make_learning_rate_a_tensor(optimizer: torch.optim.Optimizer) -> None:
     """A capturable optimizer (one whose step a CUDA/HIP graph may capture) gets its learning rate as a 0-dim
     tensor on the parameters' device: a graph bakes a Python float in at capture time, but re-reads a tensor
-    at every replay. torch's AdamW accepts a tensor lr when capturable=True or fused=True."""
+    at every replay. torch's AdamW accepts a tensor lr when capturable=True or fused=True. Groups with the same
+    learning rate on the same device share one tensor, so that setting it is one fill per step, not one per
+    group (version 4 has a group per layer)."""
+    shared = {}   # (lr, device) -> its tensor
     for group in optimizer.param_groups:
         if group.get("capturable") and not isinstance(group["lr"], torch.Tensor):
-            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=group["params"][0].device)
+            device = group["params"][0].device
+            key = (group["lr"], device)
+            if key not in shared:
+                shared[key] = torch.tensor(group["lr"], dtype=torch.float32, device=device)
+            group["lr"] = shared[key]

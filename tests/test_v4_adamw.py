@@ -398,11 +398,11 @@ def test_layer_hooks_announce_each_layer_once_its_gradients_exist(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_amp", [False, True])
 def test_graphed_step_with_the_early_update_trains_like_the_eager_step(use_amp):
-    """The graph (second stream, first group updated during backward) against eager steps (one optimizer step
+    """The graph (second stream, each layer updated during backward) against eager steps (one optimizer step
     after the backward pass): the same losses and, after eight steps, the same weights (embedding frozen, see
     v4_training.py)."""
     from tinytransformer.training.step import EagerStep
-    runs = {graphed: train_frozen_embedding(graphed, num_layers=3, amp_dtype="bfloat16" if use_amp else None)
+    runs = {graphed: train_frozen_embedding(graphed, num_layers=5, amp_dtype="bfloat16" if use_amp else None)
             for graphed in (True, False)}
     graphed = runs[True]
     assert graphed.step.updates_early

@@ -2,9 +2,10 @@
 without the DDP wrapper (tinytransformer/gradient_sync.py). GPU only; the CPU side of this path (the all-reduce,
 the trainer's choice) is tested in test_gradient_sync.py.
 
-Three layers, so that TritonAdamW has its two groups and the first one is updated during the backward pass, on the
-weight-gradient stream (graphed_step.GraphedStep._update_first_group), after the all-reduces that layers 2 and 1
-started as the backward pass left them (GraphedStep._start_layer_sums).
+Five layers, so that TritonAdamW has a group per layer and a layer's update runs while several layers of the
+backward pass are still to come: each on the weight-gradient stream one layer after the backward pass left it, after
+the all-reduces that layer started there (graphed_step.GraphedStep._layer_gradients_queued); layer 1's once
+backward() has returned.
 """
 import json
 import sys
@@ -16,7 +17,7 @@ import torch
 from .test_distributed import RUN, SCRIPTS, TORCHRUN, run
 
 GPU_RUN = [arg if arg != "cpu" else "cuda" for arg in RUN]
-GPU_RUN[GPU_RUN.index("--num-layers") + 1] = "3"
+GPU_RUN[GPU_RUN.index("--num-layers") + 1] = "5"
 GRAPH_NOTE = "version 4 averages gradients inside its CUDA/HIP-graph step"
 
 

@@ -29,10 +29,11 @@ class GraphedStep:
     model.configure_optimizer tags each group with its layer. Once the backward pass has queued layer k's
     weight-gradient GEMMs (the model's layer_gradients_queued hook), the second stream updates layer k+1's
     weights, whose gradients are complete and which no later part of the backward pass reads; layer 1's are
-    updated when only layer 0's backward is left (the model's early_update hook). So the update of ~85% of the
+    updated when only layer 0's backward is left (the model's early_update hook). So the update of ~79% of the
     parameters at the medium preset runs beside the backward pass instead of after it; the rest is updated after
     the backward pass. (One layer late: under data parallel the update of layer k+1 waits for its all-reduces,
-    which then have had layer k's weight GEMMs to finish.)
+    which then have had layer k's weight GEMMs to finish. Layer 1's would have had nothing to hide behind, so
+    under data parallel it is updated once backward() has returned, after layer 0's GEMMs.)
 
     Under torchrun (DDP), `gradient_sync` (tinytransformer/gradient_sync.py) averages the gradients over the ranks
     inside the step, so the graph captures the all-reduces too; the model is not wrapped in DDP, whose hooks
@@ -65,6 +66,7 @@ class GraphedStep:
         self.sums_by_layer = gradient_sync is not None and weight_gradient_stream
         self.layer_sums, self.main_sums = {}, []   # this step's all-reduce handles: per layer, main stream's
         self.summed_params = set()                 # the parameters whose all-reduces have started this step
+        self.updated_groups = set()                # the groups updated during this step's backward pass
 
     def _start_sums(self, params) -> list:
         started = [p for p in params if p.grad is not None and id(p) not in self.summed_params]
@@ -84,6 +86,7 @@ class GraphedStep:
         if self.gradient_sync is not None:
             self._sum_and_finish(self.optimizer.param_groups[index]["params"], self.layer_sums.pop(k, []))
         self.optimizer.step_groups([index])
+        self.updated_groups.add(index)
 
     def _layer_gradients_queued(self, k: int) -> None:
         # Called by the backward pass once layer k's weight-gradient GEMMs are queued on the second stream: there,
@@ -96,7 +99,8 @@ class GraphedStep:
         self.model.weight_grad_stream.run_after_queued(work)
 
     def _update_layer_one(self) -> None:
-        # Only layer 0's backward is left: layer 1's weights are updated on the second stream, beside it.
+        # Only layer 0's backward is left: layer 1's weights are updated on the second stream, beside it (without
+        # data parallel; with it, see _step).
         self.model.weight_grad_stream.run_after_queued(lambda: self._update_layer(1))
 
     def _start_main_stream_sums(self) -> None:
@@ -118,9 +122,10 @@ class GraphedStep:
         # The model calls back during the backward pass of THIS step only: set for the step, then removed, so
         # that no other backward pass through the model (an eager step, a check) updates or sums anything.
         hooked = self.updates_early or self.sums_by_layer
-        self.model.early_update = self._update_layer_one if self.updates_early else None
+        layer_one_at_the_end = self.updates_early and self.gradient_sync is not None and 1 in self.layer_groups
+        self.model.early_update = self._update_layer_one if self.updates_early and not layer_one_at_the_end else None
         self.model.layer_gradients_queued = self._layer_gradients_queued if hooked else None
-        self.layer_sums, self.main_sums, self.summed_params = {}, [], set()
+        self.layer_sums, self.main_sums, self.summed_params, self.updated_groups = {}, [], set(), set()
         try:
             # cache_enabled=False: autocast's weight-cast cache would hold tensors created outside the graph.
             with torch.autocast("cuda", dtype=self.autocast_dtype or torch.bfloat16,
@@ -133,14 +138,17 @@ class GraphedStep:
                 (loss * self.gradient_sync.loss_scale if self.gradient_sync is not None else loss).backward()
                 if self.sums_by_layer:
                     self._start_main_stream_sums()
+                if layer_one_at_the_end:   # its all-reduces have had layer 0's weight GEMMs to finish
+                    self.model.weight_grad_stream.run_after_queued(lambda: self._update_layer(1))
                 self.model.join_weight_gradients()   # with the second stream: its GEMMs finish before the optimizer
         finally:
             self.model.early_update = self.model.layer_gradients_queued = None
         with profile_range("optimizer"):
-            updated = set(self.layer_groups.values()) if self.updates_early else set()
-            rest = [index for index in range(len(self.optimizer.param_groups)) if index not in updated]
+            # The groups the backward pass did not update: the rest, and any layer whose hook never came (a
+            # backward pass that stops early, e.g. with the layers below frozen, leaves them to this point).
+            rest = [index for index in range(len(self.optimizer.param_groups)) if index not in self.updated_groups]
             self._finish_after_backward(range(len(self.optimizer.param_groups)))
-            if updated:
+            if self.updated_groups:
                 self.optimizer.step_groups(rest)
             else:
                 self.optimizer.step()

@@ -1,0 +1,149 @@
+"""Version 4's graph-captured step, its bookkeeping checked on the CPU in host order.
+
+GraphedStep (version4_triton_ultra/graphed_step.py) updates each layer's weights and starts each layer's
+all-reduces from hooks inside the backward pass. Which group is updated when, and which gradient is summed
+when, is decided on the host; the GPU only runs it in that order. So this test replaces the two GPU-only pieces
+with stand-ins that act at once, in host order: the weight-gradient stream (its GEMM runs when queued) and the
+all-reduce (it counts, and its handles record the wait). Then, for one, two, three and five layers, with and
+without data parallel, with and without the second stream, with TritonAdamW and torch's AdamW, one step must:
+- update every optimizer group exactly once, each after its gradients were summed and waited for;
+- all-reduce every gradient exactly once, and wait for every all-reduce it started;
+- never let the backward pass read a weight, or write a gradient, after that weight was updated.
+The stream ordering itself (events between the streams) is what the GPU tests check.
+"""
+import itertools
+
+import pytest
+import torch
+
+from tinytransformer.config import ModelConfig, TrainConfig
+from version4_triton_ultra import graphed_step
+from version4_triton_ultra.tiny_llama_v4 import TinyLlama
+
+
+class StreamStandIn:
+    """The weight-gradient stream, with every GEMM run when it is queued."""
+
+    def __init__(self, on_gemm):
+        self.on_gemm = on_gemm
+
+    def queue(self, weight, grad_y, x):
+        self.on_gemm(weight)
+        gradient = grad_y.T.float() @ x.float()
+        weight.grad = gradient if weight.grad is None else weight.grad + gradient
+
+    def run_after_queued(self, work):
+        work()
+
+    def join(self):
+        pass
+
+
+class Handle:
+    def __init__(self):
+        self.waited = False
+
+    def wait(self):
+        self.waited = True
+
+
+class AllReduceStandIn:
+    """GradientAllReduce's interface: counts each parameter's all-reduces and keeps every handle."""
+    loss_scale = 1.0
+
+    def __init__(self):
+        self.counts, self.handles = {}, {}
+
+    def _count(self, param):
+        self.counts[id(param)] = self.counts.get(id(param), 0) + 1
+
+    def sum_(self, params):
+        for param in params:
+            if param.grad is not None:
+                self._count(param)
+
+    def start_sum(self, params):
+        started = []
+        for param in params:
+            if param.grad is not None:
+                self._count(param)
+                started.append(self.handles.setdefault(id(param), Handle()))
+        return started
+
+    @staticmethod
+    def finish(handles):
+        for handle in handles:
+            handle.wait()
+        handles.clear()
+
+
+CASES = list(itertools.product([1, 2, 3, 5], [False, True], [True, False], [True, False]))
+
+
+@pytest.mark.parametrize("layers, data_parallel, second_stream, triton_adamw", CASES,
+                         ids=[f"L{n}-{'dp' if d else 'one'}-{'2streams' if s else '1stream'}-{'triton' if t else 'torch'}"
+                              for n, d, s, t in CASES])
+def test_one_step_updates_and_sums_everything_once_in_a_safe_order(layers, data_parallel, second_stream,
+                                                                    triton_adamw, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)   # GraphedStep's own side stream
+    model = TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=layers, num_heads=2,
+                                  intermediate_size=64, max_seq_len=16))
+    model.use_triton_adamw = triton_adamw
+    optimizer = model.configure_optimizer(TrainConfig())
+    names = {id(p): name for name, p in model.named_parameters()}
+    updated, problems, updates = set(), [], []
+    sync = AllReduceStandIn() if data_parallel else None
+
+    def gemm_writes(weight):
+        if id(weight) in updated:
+            problems.append(f"gradient of {names[id(weight)]} written after its update")
+
+    def use_stream(enabled=True):
+        model.weight_grad_stream = StreamStandIn(gemm_writes) if enabled else None
+        for projection in model.projections:
+            if projection is not model.lm_head:
+                projection.weight_grad_stream = model.weight_grad_stream
+    monkeypatch.setattr(model, "use_weight_gradient_stream", use_stream)
+
+    def update(params):
+        for param in params:
+            if param.grad is None:
+                continue
+            if sync is not None:
+                handle = sync.handles.get(id(param))   # None: summed synchronously (sum_)
+                if sync.counts.get(id(param)) != 1 or (handle is not None and not handle.waited):
+                    problems.append(f"{names[id(param)]} updated before its gradient was summed and waited for")
+            updated.add(id(param))
+
+    if triton_adamw:
+        def step_groups(indices):
+            for index in indices:
+                updates.append(index)
+                update(optimizer.param_groups[index]["params"])
+        monkeypatch.setattr(optimizer, "step_groups", step_groups)
+    else:
+        def step(closure=None):
+            updates.append(0)
+            update(list(model.parameters()))
+        monkeypatch.setattr(optimizer, "step", step)
+
+    def unpack(saved):   # the backward pass reads a saved tensor: a weight must not have been updated yet
+        for param in model.parameters():
+            if saved is param and id(param) in updated:
+                problems.append(f"{names[id(param)]} read by the backward pass after its update")
+        return saved
+
+    step = graphed_step.GraphedStep(model, optimizer, torch.device("cpu"), TrainConfig(),
+                                    weight_gradient_stream=second_stream, gradient_sync=sync)
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.autograd.graph.saved_tensors_hooks(lambda saved: saved, unpack):
+        step._step(ids, ids)
+
+    assert not problems, problems
+    assert sorted(updates) == list(range(len(optimizer.param_groups)))   # every group once
+    if data_parallel:
+        with_gradients = {id(p) for p in model.parameters() if p.grad is not None}
+        assert set(sync.counts) == with_gradients and set(sync.counts.values()) == {1}
+        assert all(handle.waited for handle in sync.handles.values())
+    if second_stream and triton_adamw and layers > 1:   # the layer groups were updated inside the backward pass
+        assert step.updated_groups == set(step.layer_groups.values())

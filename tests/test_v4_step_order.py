@@ -78,11 +78,11 @@ class AllReduceStandIn:
 
 
 CASES = list(itertools.product([1, 2, 3, 5], [False, True], [True, False], [True, False]))
+CASE_IDS = [f"L{n}-{'dp' if dp else 'one'}-{'2streams' if two else '1stream'}-{'triton' if triton else 'torch'}"
+            for n, dp, two, triton in CASES]
 
 
-@pytest.mark.parametrize("layers, data_parallel, second_stream, triton_adamw", CASES,
-                         ids=[f"L{n}-{'dp' if d else 'one'}-{'2streams' if s else '1stream'}-{'triton' if t else 'torch'}"
-                              for n, d, s, t in CASES])
+@pytest.mark.parametrize("layers, data_parallel, second_stream, triton_adamw", CASES, ids=CASE_IDS)
 def test_one_step_updates_and_sums_everything_once_in_a_safe_order(layers, data_parallel, second_stream,
                                                                     triton_adamw, monkeypatch):
     monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)   # GraphedStep's own side stream

@@ -131,6 +131,9 @@ def render_presets(results: dict, name: str) -> str:
         parts.append(f"\nNote: {results['note']}.")
     parts.append(f"\nCommand: `{results['command']}`")
     parts += [f"then: `{command}`" for command in results.get("resumed_by", [])]
+    for part in results.get("parts", []):   # a file joined by merge_presets.py: each preset's own commands
+        parts.append(f"{', '.join(part['presets'])}: `{part['command']}`")
+        parts += [f"then: `{command}`" for command in part.get("resumed_by", [])]
     return "\n".join(parts)
 
 

@@ -320,6 +320,18 @@ def test_step_groups_updates_only_the_named_groups(device):
     assert_same_training(params, reference, optimizer, reference_optimizer)
 
 
+PROJECTIONS = ("attention.qkv_proj", "attention.o_proj", "feed_forward.gate_up_proj", "feed_forward.down_proj")
+
+
+def weights_final_before_layer0(model) -> list:
+    """By name: the weights whose gradients are complete once the backward pass reaches layer 0, i.e. the
+    projections of layers 1 and up and the output head (the norms' are not: layer 0's last norm is layer 1's
+    attention norm)."""
+    by_name = dict(model.named_parameters())
+    names = [f"layers.{k}.{m}.weight" for k in range(1, len(model.layers)) for m in PROJECTIONS]
+    return [by_name[name] for name in names + ["lm_head.weight"]]
+
+
 def test_model_groups_each_layers_weights_complete_before_layer0s_backward():
     from version4_triton_ultra.tiny_llama_v4 import TinyLlama
     model = TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=3, num_heads=2, intermediate_size=64,
@@ -328,12 +340,11 @@ def test_model_groups_each_layers_weights_complete_before_layer0s_backward():
     last, middle, rest = optimizer.param_groups
     assert (last["layer"], middle["layer"], rest.get("layer")) == (2, 1, None)   # the order backward reaches them
     names = {id(p): name for name, p in model.named_parameters()}
-    projections = ("attention.qkv_proj", "attention.o_proj", "feed_forward.gate_up_proj", "feed_forward.down_proj")
     assert sorted(names[id(p)] for p in last["params"]) == sorted(
-        [f"layers.2.{m}.weight" for m in projections] + ["lm_head.weight"])
-    assert sorted(names[id(p)] for p in middle["params"]) == sorted(f"layers.1.{m}.weight" for m in projections)
+        [f"layers.2.{m}.weight" for m in PROJECTIONS] + ["lm_head.weight"])
+    assert sorted(names[id(p)] for p in middle["params"]) == sorted(f"layers.1.{m}.weight" for m in PROJECTIONS)
     early = last["params"] + middle["params"]
-    assert sorted(map(id, early)) == sorted(map(id, model.parameters_final_before_layer0_backward()))
+    assert sorted(map(id, early)) == sorted(map(id, weights_final_before_layer0(model)))
     assert sorted(names[id(p)] for p in early + rest["params"]) == sorted(names.values())
     one_layer = TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=1, num_heads=2,
                                       intermediate_size=64, max_seq_len=16))
@@ -353,8 +364,8 @@ def test_the_early_update_runs_once_layer0_is_all_that_is_left(device):
     _, loss = model(ids, ids)
     loss.backward()
     assert seen == [(True, False)]
-    # At that moment every weight of the first group had its gradient, and no weight of layer 0 had one.
-    early = model.parameters_final_before_layer0_backward()
+    # At that moment every weight final before layer 0's backward had its gradient, and no weight of layer 0 had one.
+    early = weights_final_before_layer0(model)
     model.zero_grad(set_to_none=True)
     seen_grads = []
     model.early_update = lambda: seen_grads.append(
@@ -372,7 +383,7 @@ def test_the_early_update_runs_once_layer0_is_all_that_is_left(device):
 def test_layer_hooks_announce_each_layer_once_its_gradients_exist(device):
     """layer_gradients_queued(k) comes for k = L-1 down to 1, each once layer k's projection weights (and, for
     the last layer, the output head) have gradients and before layer k-1's do; the early update comes last,
-    after the hook for layer 1. Together the layers announce exactly the early update's first group."""
+    after the hook for layer 1. Together the layers announce exactly the weights final before layer 0's backward."""
     from version4_triton_ultra.tiny_llama_v4 import TinyLlama
     model = TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=3, num_heads=2, intermediate_size=64,
                                   max_seq_len=16)).to(device)
@@ -390,7 +401,7 @@ def test_layer_hooks_announce_each_layer_once_its_gradients_exist(device):
     loss.backward()
     assert seen == [(2, True, False), (1, True, False), "early update"]
     announced = [p for k in (1, 2) for p in model.layer_projection_parameters(k)]
-    assert sorted(map(id, announced)) == sorted(map(id, model.parameters_final_before_layer0_backward()))
+    assert sorted(map(id, announced)) == sorted(map(id, weights_final_before_layer0(model)))
     assert id(model.lm_head.weight) in map(id, model.layer_projection_parameters(2))
     model.layer_gradients_queued = model.early_update = None
 

@@ -99,8 +99,8 @@ class GraphedStep:
         self.model.weight_grad_stream.run_after_queued(work)
 
     def _update_layer_one(self) -> None:
-        # Only layer 0's backward is left: layer 1's weights are updated on the second stream, beside it (without
-        # data parallel; with it, see _step).
+        # Layer 1's weights, on the second stream after everything queued so far: called when only layer 0's
+        # backward is left (without data parallel), or once backward() has returned (with it, see _step).
         self.model.weight_grad_stream.run_after_queued(lambda: self._update_layer(1))
 
     def _start_main_stream_sums(self) -> None:
@@ -139,7 +139,7 @@ class GraphedStep:
                 if self.sums_by_layer:
                     self._start_main_stream_sums()
                 if layer_one_at_the_end:   # its all-reduces have had layer 0's weight GEMMs to finish
-                    self.model.weight_grad_stream.run_after_queued(lambda: self._update_layer(1))
+                    self._update_layer_one()
                 self.model.join_weight_gradients()   # with the second stream: its GEMMs finish before the optimizer
         finally:
             self.model.early_update = self.model.layer_gradients_queued = None
@@ -147,7 +147,7 @@ class GraphedStep:
             # The groups the backward pass did not update: the rest, and any layer whose hook never came (a
             # backward pass that stops early, e.g. with the layers below frozen, leaves them to this point).
             rest = [index for index in range(len(self.optimizer.param_groups)) if index not in self.updated_groups]
-            self._finish_after_backward(range(len(self.optimizer.param_groups)))
+            self._finish_after_backward(rest)   # the updated groups' sums were finished before their updates
             if self.updated_groups:
                 self.optimizer.step_groups(rest)
             else:

@@ -332,17 +332,6 @@ class TinyLlama(nn.Module):
         params = [p for m in self.layers[k].modules() if isinstance(m, Projection) for p in m.parameters()]
         return params + [self.lm_head.weight] if k == len(self.layers) - 1 else params
 
-    def parameters_final_before_layer0_backward(self) -> list:
-        """The weights whose gradients are complete once the backward pass reaches layer 0: the projections of
-        layers 1 and up (their weight gradients are queued on the weight-gradient stream by then) and the output
-        head (whose gradient the loss computes in the forward pass). Empty with one layer. The norms' weights
-        are not among them: layer 0's last norm is layer 1's attention norm."""
-        if len(self.layers) < 2:
-            return []
-        later = [p for layer in self.layers[1:] for m in layer.modules() if isinstance(m, Projection)
-                 for p in m.parameters()]
-        return later + [self.lm_head.weight]
-
     def configure_optimizer(self, train):
         """TritonAdamW (kernels/adamw.py): one Triton kernel updates every parameter and writes the 16-bit
         weight copies. With use_triton_adamw False, torch's AdamW: fused on the GPU (one multi-tensor kernel),

@@ -48,8 +48,11 @@ def read_part(path: str) -> dict:
     if not isinstance(part, dict):
         raise ConfigError(f"{path}: not compare_versions.py results (a JSON object)")
     missing = [key for key in ("command", "environment", "rows", *SETTINGS) if key not in part]
-    if missing or not part["rows"]:
-        raise ConfigError(f"{path}: not compare_versions.py results with rows (missing: {', '.join(missing) or 'rows'})")
+    if missing or not part["rows"] or not isinstance(part["environment"], dict):
+        raise ConfigError(f"{path}: not compare_versions.py results with rows "
+                          f"(missing: {', '.join(missing) or 'rows or environment'})")
+    if any(not isinstance(row, dict) or not row.get("preset") for row in part["rows"]):
+        raise ConfigError(f"{path}: rows without a preset (this joins runs of compare_versions.py --preset NAME)")
     return part
 
 
@@ -94,8 +97,7 @@ def merged(paths: list[str], parts: list[dict], command: str) -> dict:
         result["runs"] = [run for part in parts for run in part.get("runs", part["rows"])]
     problems = [problem for part in parts for problem in part.get("loss_agreement_problems", [])]
     result["loss_agreement_problems"] = problems
-    notes = [f"{describe_part(path, part)['file']}: {part['note']}" for path, part in zip(paths, parts)
-             if part.get("note")]
+    notes = [f"{Path(path).name}: {part['note']}" for path, part in zip(paths, parts) if part.get("note")]
     if notes:
         result["note"] = "; ".join(notes)
     return result

@@ -70,7 +70,8 @@ def test_the_readme_renderer_shows_each_parts_commands_and_notes(tmp_path):
     small = part("small", {"v1": [5, 6, 7]}, note="partial: 3 of 6 runs")
     medium = part("medium", {"v1": [3, 4, 5]}, resumed_by=["python benchmarks/compare_versions.py --resume"])
     out = tmp_path / "h100_presets_bfloat16.json"
-    assert merge(write(tmp_path, "s.json", small), write(tmp_path, "m.json", medium), "--output", str(out)).returncode == 0
+    result = merge(write(tmp_path, "s.json", small), write(tmp_path, "m.json", medium), "--output", str(out))
+    assert result.returncode == 0, result.stderr
     text = make_readme_table.render_presets(json.loads(out.read_text()), out.name)
     assert f"small: `{small['command']}`" in text
     assert f"medium: `{medium['command']}`" in text
@@ -106,6 +107,8 @@ def test_bad_inputs_get_one_line(tmp_path):
         ([good, str(not_json), "--output", str(tmp_path / "o.json")], "not JSON"),
         ([good, write(tmp_path, "list.json", [1]), "--output", str(tmp_path / "o.json")], "a JSON object"),
         ([good, write(tmp_path, "other.json", {"rows": []}), "--output", str(tmp_path / "o.json")], "missing"),
+        ([good, write(tmp_path, "seed.json", part(None, {"v1": [1, 2, 3]})), "--output", str(tmp_path / "o.json")],
+         "rows without a preset"),
         ([good, "--output", str(tmp_path)], "--output"),   # a directory, not a file
         ([good], "--output"),
     ]

@@ -97,10 +97,21 @@ def merged(paths: list[str], parts: list[dict], command: str) -> dict:
         result["runs"] = [run for part in parts for run in part.get("runs", part["rows"])]
     problems = [problem for part in parts for problem in part.get("loss_agreement_problems", [])]
     result["loss_agreement_problems"] = problems
-    notes = [f"{Path(path).name}: {part['note']}" for path, part in zip(paths, parts) if part.get("note")]
+    notes = join_notes(paths, parts)
     if notes:
-        result["note"] = "; ".join(notes)
+        result["note"] = notes
     return result
+
+
+def join_notes(paths, parts) -> str:
+    """Each distinct note once, after the names of the files that carry it."""
+    files_by_note = {}
+    for path, part in zip(paths, parts):
+        if part.get("note"):
+            files_by_note.setdefault(part["note"], []).append(Path(path).name)
+    if len(files_by_note) == 1 and len(next(iter(files_by_note.values()))) == len(parts) > 1:
+        return f"every part: {next(iter(files_by_note))}"
+    return "; ".join(f"{', '.join(files)}: {note}" for note, files in files_by_note.items())
 
 
 def parse_args(argv):

@@ -79,6 +79,18 @@ def test_the_readme_renderer_shows_each_parts_commands_and_notes(tmp_path):
     assert "s.json: partial: 3 of 6 runs" in text
 
 
+def test_a_note_every_part_carries_is_written_once(tmp_path):
+    shared = "measured at the same time, one preset per GPU"
+    parts = [write(tmp_path, f"{name}.json", part(name, {"v1": [1, 2, 3]}, note=shared))
+             for name in ("tiny", "small")]
+    other = write(tmp_path, "medium.json", part("medium", {"v1": [1, 2, 3]}, note="partial"))
+    out = tmp_path / "out.json"
+    assert merge(*parts, "--output", str(out)).returncode == 0
+    assert json.loads(out.read_text())["note"] == f"every part: {shared}"
+    assert merge(*parts, other, "--output", str(out)).returncode == 0
+    assert json.loads(out.read_text())["note"] == f"tiny.json, small.json: {shared}; medium.json: partial"
+
+
 @pytest.mark.parametrize("change, expected", [
     ({"repeats": 1}, "repeats is 1"),
     ({"dtype": "float32"}, "dtype is float32"),

@@ -16,9 +16,10 @@ GPU_TRACE = REPO_ROOT / "tests" / "fixtures" / "gpu_trace_v1_h100.json.gz"
 def test_ablation_shows_each_switch_alone_and_left_out():
     from version2_pytorch_fused.tiny_llama_v2 import FUSION_NAMES
     runs = dict(combinations(with_compile=True))
-    switches = [f"--enable-{flag}" for flag in FUSION_NAMES.values()]
-    enabled = lambda label: {flag for flag in runs[label] if flag.startswith("--enable-")}  # noqa: E731
+    switches = [f"--enable-{flag}" for flag in FUSION_NAMES.values()] + ["--tf32"]   # every switch of v2
+    enabled = lambda label: {flag for flag in runs[label] if flag in switches}  # noqa: E731
     assert len(runs) == 2 * len(switches) + 4    # none, alone each, all, all but each, two compiled runs
+    assert "--no-tf32" in runs["none"]   # "none" is version 1's computation on a GPU too: exact float32
     assert enabled("none") == set() and enabled("all") == set(switches)
     alone = [label for label in runs if len(enabled(label)) == 1]
     left_out = [label for label in runs if label.startswith("all-")]
@@ -27,7 +28,7 @@ def test_ablation_shows_each_switch_alone_and_left_out():
     assert "--compile-optimizer" in runs["all+compile+opt"] and "--enable-torch-compile" in runs["all+compile"]
 
 
-@pytest.mark.slow   # 8 fresh processes; the version 2 README's command runs it in the doc-command test too
+@pytest.mark.slow   # 16 fresh processes; the version 2 README's command runs it in the doc-command test too
 def test_ablation_runs_on_cpu():
     command = [sys.executable, "version2_pytorch_fused/fusion_ablation.py", "--num-steps", "3", "--warmup-steps", "1",
                "--", "--device", "cpu", "--hidden-dim", "32", "--num-heads", "2", "--num-layers", "1",
@@ -35,7 +36,7 @@ def test_ablation_runs_on_cpu():
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     table = result.stdout.split("fusions", 1)[1]
-    for label in ("none", "qkv", "flash", "swiglu", "rmsnorm", "rope", "adamw", "all", "all-rope"):
+    for label in ("none", "qkv", "flash", "swiglu", "rmsnorm", "rope", "adamw", "tf32", "all", "all-rope", "all-tf32"):
         assert f"\n{label} " in table
 
 

@@ -103,3 +103,34 @@ def test_this_machines_torch():
     assert precision.saved_state() == before
     if precision.has_fp32_precision_api():
         assert torch.backends.cuda.matmul.fp32_precision == before[1]
+
+
+
+@pytest.mark.parametrize("module", ["version2_pytorch_fused.tiny_llama_v2", "version4_triton_ultra.tiny_llama_v4"])
+@pytest.mark.parametrize("flags, expected", [([], True), (["--tf32"], True), (["--no-tf32"], False)])
+def test_the_training_scripts_tf32_switch(module, flags, expected):
+    """Versions 2 and 4 share one --tf32 / --no-tf32 switch (default on). It sets the process's float32 matmuls
+    on a GPU only: a CPU run leaves them alone (they are exact there anyway). The conftest fixture puts the
+    switches back afterwards."""
+    import importlib
+
+    from tinytransformer.cli import build_parser
+    args = build_parser(importlib.import_module(module).SPEC).parse_args(flags)
+    assert args.tf32 is expected
+    with precision.tf32_setting(not expected):
+        precision.apply_tf32_argument(args, torch.device("cpu"))
+        assert precision.tf32_enabled() is (not expected)
+        precision.apply_tf32_argument(args, torch.device("cuda"))
+        assert precision.tf32_enabled() is expected
+    assert precision.describe_float32_matmuls(args, on_gpu=False).startswith("exact float32")
+    assert precision.describe_float32_matmuls(args, on_gpu=True) == (
+        "TF32 tensor cores for float32" if expected else "exact float32")
+
+
+def test_version2_applies_its_tf32_switch_and_says_which_matmuls_ran():
+    from tinytransformer.cli import build_parser
+    from version2_pytorch_fused import tiny_llama_v2
+    # The harness calls check_arguments with the run's device.
+    assert tiny_llama_v2.SPEC.check_arguments is precision.apply_tf32_argument
+    args = build_parser(tiny_llama_v2.SPEC).parse_args(["--device", "cpu"])
+    assert tiny_llama_v2.describe(args)["matmuls"].startswith("exact float32")

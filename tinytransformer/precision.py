@@ -93,3 +93,26 @@ def exact_float32_matmuls(backends=None):
     """IEEE float32 matmuls inside the block (a float32 correctness check must not follow a TF32 switch that
     another part of the process turned on), then the settings as they were."""
     return tf32_setting(False, backends)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The --tf32 / --no-tf32 switch of the training scripts (versions 2 and 4; version 1 always computes exact
+# float32, the reference the others are checked against)
+# ----------------------------------------------------------------------------------------------------------
+def add_tf32_arguments(group) -> None:
+    group.add_argument("--tf32", dest="tf32", action="store_true", default=True,
+                       help="float32 matmuls on TF32 tensor cores (default; NVIDIA Ampere+ / AMD MI300)")
+    group.add_argument("--no-tf32", dest="tf32", action="store_false", help="exact float32 matmuls")
+
+
+def apply_tf32_argument(args, device) -> None:
+    """On a GPU, the process's float32 matmuls follow --tf32 / --no-tf32 (on the CPU they are always exact)."""
+    if device.type == "cuda":
+        set_tf32(args.tf32)
+
+
+def describe_float32_matmuls(args, on_gpu: bool, on_cpu: str = "exact float32 (TF32, --tf32, is for GPUs)") -> str:
+    """What float32 matmuls of this run compute in, for the run's header and JSON."""
+    if not on_gpu:
+        return on_cpu
+    return "TF32 tensor cores for float32" if args.tf32 else "exact float32"

@@ -1,11 +1,12 @@
 """Fusion ablation: what each of version 2's switches buys, alone and among the others, in one table.
 
-    python fusion_ablation.py                                   (14 runs, eager, seed config)
+    python fusion_ablation.py                                   (16 runs, eager, seed config)
     python fusion_ablation.py --with-compile --profile          (+ torch.compile, + kernels per step)
     python fusion_ablation.py --num-steps 100 -- --use-amp      (flags after -- go to every run)
 
 The rows: every switch off (version 1's computation), each switch alone, every switch on, and every switch on
-but one ("all-rope": what RoPE's rewrite adds to the rest). Each runs tiny_llama_v2.py in a fresh process (so
+but one ("all-rope": what RoPE's rewrite adds to the rest). The switches: the six fusions and TF32 for float32
+matmuls on a GPU ("tf32"; under --use-amp the matmuls are bfloat16 and it changes nothing). Each runs tiny_llama_v2.py in a fresh process (so
 nothing, e.g. a compile cache, carries over) from the same canonical weights and data; the table shows median
 samples/s, the speed-up over "none", peak memory and, with --profile, GPU kernels per training step.
 """
@@ -23,19 +24,22 @@ from tinytransformer.config import ConfigError  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
 from tinytransformer.paths import prove_output_file  # noqa: E402
 
-# (short label, the switch's name in tiny_llama_v2.py's --enable-X / --disable-X flags)
+# (short label, tiny_llama_v2.py's flag that turns the switch on, the flag that turns it off): the fusions'
+# --enable-X / --disable-X, and TF32 for float32 matmuls on a GPU (on a CPU both flags compute exact float32).
 FUSIONS = (("qkv", "qkv-fusion"), ("flash", "flash-attention"), ("swiglu", "swiglu-fusion"),
            ("rmsnorm", "torch-rmsnorm"), ("rope", "rolled-rope"), ("adamw", "fused-adamw"))
+SWITCHES = (*((name, f"--enable-{flag}", f"--disable-{flag}") for name, flag in FUSIONS),
+            ("tf32", "--tf32", "--no-tf32"))
 COMPILE = ["--enable-torch-compile", "--torch-compile-mode", "reduce-overhead"]
 
 
 def flags_for(enabled: set) -> list:
-    return [f"--enable-{flag}" if name in enabled else f"--disable-{flag}" for name, flag in FUSIONS]
+    return [on if name in enabled else off for name, on, off in SWITCHES]
 
 
 def combinations(with_compile: bool):
     """(label, flags): none first, then each switch alone, all, all but each; optionally the compiled runs."""
-    names = [name for name, _ in FUSIONS]
+    names = [name for name, _, _ in SWITCHES]
     runs = [("none", flags_for(set()))]
     runs += [(name, flags_for({name})) for name in names]
     runs.append(("all", flags_for(set(names))))

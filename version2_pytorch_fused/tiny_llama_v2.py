@@ -11,7 +11,11 @@ What changed from version 1 (`diff ../version1_pytorch_baseline/tiny_llama_v1.py
   6. The fused AdamW (torch.optim.AdamW(fused=True)): one multi-tensor kernel per step for every parameter.
   7. Optional torch.compile of the model (--enable-torch-compile; --torch-compile-mode reduce-overhead replays the
      step's kernels from a CUDA/HIP graph) and of the optimizer step (--compile-optimizer).
-Each switch can be turned off; with all of them off this file computes exactly version 1's model.
+  8. On a GPU, float32 matmuls on the TF32 tensor cores (--no-tf32 for exact float32), as torch.compile itself
+     advises and as version 4 does: each input keeps 10 mantissa bits, the sums stay float32. Under --use-amp
+     the matmuls are bfloat16 anyway and this changes nothing.
+Each switch can be turned off; with all of them off (and --no-tf32 on a GPU) this file computes exactly version
+1's model.
 
 Run:   python tiny_llama_v2.py                              (all fusions on)
        python tiny_llama_v2.py --enable-torch-compile --torch-compile-mode reduce-overhead
@@ -31,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from tinytransformer.cli import VersionSpec, run  # noqa: E402
 from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402
+from tinytransformer.precision import (  # noqa: E402
+    add_tf32_arguments, apply_tf32_argument, describe_float32_matmuls)
 from tinytransformer.profiling.ranges import profile_range  # noqa: E402
 from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
                                      init_canonical_weights, split)
@@ -307,6 +313,7 @@ def add_arguments(group):
                        "times several kernels per GEMM (minutes of compilation)")
     group.add_argument("--compile-optimizer", action="store_true", default=False,
                        help="compile the optimizer step with torch.compile (replaces the fused AdamW)")
+    add_tf32_arguments(group)
 
 
 def fusions_from_args(args) -> Fusions:
@@ -331,11 +338,13 @@ def describe(args) -> dict:
     compiled = f"torch.compile(mode={args.torch_compile_mode})" if args.enable_torch_compile else "eager"
     if args.compile_optimizer:
         compiled += ", compiled optimizer step"
-    return {"fusions": ", ".join(on) if on else "none (version 1's computation)", "execution": compiled}
+    on_gpu = torch.cuda.is_available() and args.device != "cpu"
+    return {"fusions": ", ".join(on) if on else "none (version 1's computation)", "execution": compiled,
+            "matmuls": describe_float32_matmuls(args, on_gpu)}
 
 
 SPEC = VersionSpec(name="v2", title="PyTorch fused", build_model=build_model, add_arguments=add_arguments,
-                   describe=describe)
+                   check_arguments=apply_tf32_argument, describe=describe)
 
 
 def main(argv=None):

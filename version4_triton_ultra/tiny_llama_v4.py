@@ -62,7 +62,8 @@ enable_interpreter_if_no_gpu()  # must precede the first `import triton` (inside
 
 from tinytransformer.cli import VersionSpec, build_parser, resolve_configs, run  # noqa: E402
 from tinytransformer.config import ConfigError, ModelConfig, head_dim_advice  # noqa: E402
-from tinytransformer.precision import set_tf32  # noqa: E402
+from tinytransformer.precision import (  # noqa: E402
+    add_tf32_arguments, apply_tf32_argument, describe_float32_matmuls)
 from tinytransformer.profiling.ranges import profile_range  # noqa: E402
 from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
                                      init_canonical_weights, split)
@@ -386,9 +387,7 @@ def add_arguments(group):
                        help="capture the training step in a CUDA/HIP graph and replay it (default on a GPU)")
     group.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                        help="launch every kernel from Python each step (to measure what the graph saves)")
-    group.add_argument("--tf32", dest="tf32", action="store_true", default=True,
-                       help="float32 matmuls on TF32 tensor cores (default; NVIDIA Ampere+ / AMD MI300)")
-    group.add_argument("--no-tf32", dest="tf32", action="store_false", help="exact float32 matmuls")
+    add_tf32_arguments(group)
     group.add_argument("--no-weight-grad-stream", dest="weight_grad_stream", action="store_false", default=True,
                        help="in the graph-captured step, compute the weight gradients on the main stream instead "
                             "of a second one (to measure what the overlap saves)")
@@ -458,8 +457,7 @@ def check_arguments(args, device):
     problem = shape_problem_of_args(args)
     if problem:
         raise ConfigError(problem)
-    if device.type == "cuda":
-        set_tf32(args.tf32)
+    apply_tf32_argument(args, device)
 
 
 def build_model(config, args):
@@ -485,11 +483,9 @@ def describe(args) -> dict:
         optimizer = "Triton AdamW, writing the 16-bit weight copies"
     else:
         optimizer = "Triton AdamW"
-    if not on_gpu:
-        # On the CPU, PyTorch's matmuls and the interpreter's tl.dot (NumPy) both compute in IEEE float32.
-        matmuls = "exact float32 in PyTorch and Triton's CPU interpreter (TF32, --tf32, is for NVIDIA GPUs)"
-    else:
-        matmuls = "TF32 tensor cores for float32" if args.tf32 else "exact float32"
+    # On the CPU, PyTorch's matmuls and the interpreter's tl.dot (NumPy) both compute in IEEE float32.
+    matmuls = describe_float32_matmuls(
+        args, on_gpu, on_cpu="exact float32 in PyTorch and Triton's CPU interpreter (TF32, --tf32, is for NVIDIA GPUs)")
     return {"step": step, "matmuls": matmuls, "RoPE": rope, "optimizer": optimizer}
 
 

@@ -17,11 +17,15 @@ says so. benchmarks/compare_versions.py runs it as the rows hf, hf+compile, hf+l
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import VersionSpec, run  # noqa: E402
 from tinytransformer.config import ConfigError  # noqa: E402
 from tinytransformer.hf.model import HFTinyLlama, apply_liger, require_liger, require_transformers  # noqa: E402
+from tinytransformer.precision import (  # noqa: E402
+    add_tf32_arguments, apply_tf32_argument, describe_float32_matmuls)
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
@@ -34,10 +38,13 @@ def add_arguments(group):
                        help="compile the Hugging Face model with torch.compile (first steps are slow: compilation)")
     group.add_argument("--torch-compile-mode", choices=COMPILE_MODES, default="default",
                        help="reduce-overhead replays CUDA/HIP graphs")
+    # The same TF32 switch as versions 2 and 4, so that a float32 row of the peer does the arithmetic of theirs.
+    add_tf32_arguments(group)
 
 
 def check_arguments(args, device):
     require_transformers()   # one line with the install command, before anything is built
+    apply_tf32_argument(args, device)
     if args.liger:
         require_liger()
         if device.type != "cuda":
@@ -66,8 +73,9 @@ def describe(args) -> dict:
     compiled = f"torch.compile(mode={args.torch_compile_mode})" if args.enable_torch_compile else "eager"
     if args.enable_torch_compile and args.liger:
         compiled += " of the decoder; Liger's fused loss eager"
+    on_gpu = torch.cuda.is_available() and args.device != "cpu"
     return {"model": f"transformers {transformers.__version__} LlamaForCausalLM", "kernels": kernels,
-            "execution": compiled}
+            "execution": compiled, "matmuls": describe_float32_matmuls(args, on_gpu)}
 
 
 SPEC = VersionSpec(name="hf", title="Hugging Face LlamaForCausalLM", build_model=build_model,

@@ -111,7 +111,17 @@ def test_liger_replaces_norms_feed_forward_rope_and_loss(restore_transformers_ll
 
 
 def peer_arguments(liger, compiled):
-    return argparse.Namespace(liger=liger, enable_torch_compile=compiled, torch_compile_mode="default")
+    return argparse.Namespace(liger=liger, enable_torch_compile=compiled, torch_compile_mode="default",
+                              device="cpu", tf32=True)
+
+
+def test_the_peer_has_the_versions_tf32_switch():
+    """A float32 row of the peer does the arithmetic of versions 2 and 4: the same --tf32 / --no-tf32 switch,
+    on by default, named in the row's description."""
+    from tinytransformer.cli import build_parser
+    assert build_parser(hf_llama.SPEC).parse_args([]).tf32 is True
+    assert build_parser(hf_llama.SPEC).parse_args(["--no-tf32"]).tf32 is False
+    assert hf_llama.describe(peer_arguments(False, False))["matmuls"].startswith("exact float32")   # on the CPU
 
 
 def test_with_liger_compile_takes_the_decoder_and_leaves_the_fused_loss_eager(monkeypatch):

@@ -52,7 +52,8 @@ from version4_triton_ultra.kernels.embedding_backward import embedding_backward,
 # One program holds a whole row in registers; beyond this many features it would spill.
 MAX_FEATURES = 8192
 # Backward programs per group whose partial weight gradients the group's last program adds up (see the module
-# docstring). ~sqrt(programs) at 4 programs per SM balances the two levels: on an H100 (528 programs), 17 groups.
+# docstring). ~sqrt(programs) at 4 programs per SM balances the two levels: on an H100 (528 programs), 17 groups;
+# rows of 1,024 features and more get 2 programs per SM (see _backward_program_count), so about half as many.
 GROUP_SIZE = 32
 # Up to this many programs (short batches), one group: its last program adds all the partial sums itself.
 ONE_GROUP_UP_TO = 64
@@ -305,7 +306,7 @@ def _backward_tile(block_d, n_rows, device):
             return 4, 1   # kernel tests: small tiles that still exercise the masking of a partial last tile
         return interpreter_block(n_rows, 1, max(1, INTERPRETER_TILE_ELEMENTS // block_d)), 1
     rows = max(1, min(16, 4096 // block_d))
-    programs, _ = _backward_program_count(n_rows, rows, device)
+    programs, _ = _backward_program_count(n_rows, rows, block_d, device)
     if block_d <= 256 and n_rows > programs * rows:
         rows //= 2
         return rows, num_warps_for(rows * block_d, max_warps=2)
@@ -313,14 +314,20 @@ def _backward_tile(block_d, n_rows, device):
     return rows, num_warps_for(tile_elements, max_warps=4 if tile_elements <= 4096 else 8)
 
 
-def _backward_program_count(n_rows, block_rows, device):
+def _backward_program_count(n_rows, block_rows, block_d, device):
     """A few programs per SM (compute unit), each owning a contiguous range of rows.
 
     Fewer programs than rows keeps the partial-sum buffer (and its summing) small; a few per SM keep
-    enough loads in flight to stream at memory speed.
+    enough loads in flight to stream at memory speed. How few: 4 per SM for rows of up to 512 features, 2 from
+    1,024 on, where each program's [rows, D] tile is already 4,096 elements of one or two rows and a longer
+    range of rows per program streams better. Measured on an H100 (132 SMs) for the kernel alone at 8,192 rows
+    (the medium and large presets' batch x sequence), bfloat16 gradients, every tile and warp count swept:
+    at 2,048 features 131.5 us a call with 2 programs per SM against 152.6 us or more with 4 (same tile and
+    warps), at 1,024 features 69.4 against 71.6 us; the outputs matched. Rows of 256 features (the seed and
+    tiny presets) were tuned with 4 in the graph-captured step and keep it; 512 was not measured.
     """
     if is_gpu(device) and not interpreter_active():
-        target = 4 * multiprocessor_count(device)
+        target = (2 if block_d >= 1024 else 4) * multiprocessor_count(device)
     elif small_interpreter_blocks():
         target = 4  # the interpreter runs programs one after another: a few are enough to test the loop
     else:
@@ -394,7 +401,7 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
 
     block_d = _block_size(n_features)
     block_rows, num_warps = _backward_tile(block_d, n_rows, h.device)
-    n_programs, rows_per_program = _backward_program_count(n_rows, block_rows, h.device)
+    n_programs, rows_per_program = _backward_program_count(n_rows, block_rows, block_d, h.device)
     # One group up to ONE_GROUP_UP_TO programs (that constant as the group size, so that the kernel is compiled
     # once for all such counts), else groups of GROUP_SIZE.
     programs_per_group = ONE_GROUP_UP_TO if n_programs <= ONE_GROUP_UP_TO else GROUP_SIZE

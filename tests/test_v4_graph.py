@@ -106,8 +106,8 @@ def test_graph_with_a_frozen_embedding_trains_like_the_eager_step():
 
 def v4_args(**overrides):
     from types import SimpleNamespace
-    args = dict(device="auto", cuda_graph=True, weight_grad_stream=True, rope_in_attention=False, torch_adamw=False,
-                tf32=True, use_amp=None, deepspeed=None, deepspeed_config=None)
+    args = dict(device="auto", cuda_graph=True, weight_grad_stream=True, rope_in_attention=False, separate_swiglu=False,
+                torch_adamw=False, tf32=True, use_amp=None, deepspeed=None, deepspeed_config=None)
     return SimpleNamespace(**{**args, **overrides})
 
 

@@ -134,6 +134,33 @@ def test_matches_v1_on_gpu_at_a_long_odd_sequence(version):
     assert compare(reference, candidate, GPU_EXACT_FLOAT32) == []
 
 
+# Version 4 computes SwiGLU in its feed-forward GEMMs' epilogues by default; --separate-swiglu uses vendor GEMMs
+# and SwiGLU kernels of its own instead (to measure the fusion). Both must be version 1's model.
+def test_v4_with_separate_swiglu_matches_v1_on_cpu():
+    needs_triton_on_the_cpu("v4")
+    weights = canonical(SMALL, seed=1)
+    inputs, targets = random_batch(SMALL, batch=2, seq=37, device="cpu", seed=2)
+    reference = forward_backward(model_class("v1")(SMALL), weights, inputs, targets)
+    model = model_class("v4")(SMALL)
+    model.use_separate_swiglu()
+    assert all(layer.feed_forward.separate_swiglu for layer in model.layers)
+    assert compare(reference, forward_backward(model, weights, inputs, targets), CPU_FLOAT32["v4"]) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16], ids=["ieee-fp32", "bf16"])
+def test_v4_with_separate_swiglu_matches_v1_on_gpu(autocast_dtype):
+    config = ModelConfig()
+    weights = canonical(config, seed=1)
+    inputs, targets = random_batch(config, batch=8, seq=128, device="cuda", seed=2)
+    reference = forward_backward(gpu_model("v1", config, True), weights, inputs, targets,
+                                 autocast_dtype=autocast_dtype)
+    model = gpu_model("v4", config, True)
+    model.use_separate_swiglu()
+    candidate = forward_backward(model, weights, inputs, targets, autocast_dtype=autocast_dtype)
+    assert compare(reference, candidate, GPU_BFLOAT16 if autocast_dtype else GPU_EXACT_FLOAT32) == []
+
+
 # Version 4 fuses RoPE into its QKV GEMM by default; --rope-in-attention rotates q and k in the attention kernel
 # instead (its first fused form). Both must be version 1's model.
 def test_v4_with_rope_in_attention_matches_v1_on_cpu():

@@ -1,5 +1,5 @@
 """What the tests of version 4's fused kernels share (test_v4_add_rmsnorm.py, test_v4_linear_cross_entropy.py,
-test_v4_embedding_backward.py, test_v4_swiglu_gemm.py, test_v4_qkv_rope_gemm.py, test_v4_fused_layers.py): the
+test_v4_embedding_backward.py, test_v4_swiglu_gemm.py (and the elementwise SwiGLU), test_v4_qkv_rope_gemm.py, test_v4_fused_layers.py): the
 NaN-filled outputs, the float64 comparison and its per-dtype tolerances, seeded inputs.
 
 A test file imports `poisoned_outputs` to make it its own autouse fixture: every buffer the kernel wrappers
@@ -13,6 +13,7 @@ import torch
 from version4_triton_ultra.kernels import add_rmsnorm as arn
 from version4_triton_ultra.kernels import linear_cross_entropy as lce
 from version4_triton_ultra.kernels import qkv_rope_gemm as qr
+from version4_triton_ultra.kernels import swiglu_elementwise as se
 from version4_triton_ultra.kernels import swiglu_gemm as sg
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -31,6 +32,7 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(arn, "_new_output", nan_filled)
     monkeypatch.setattr(lce, "_new_output", nan_filled)
     monkeypatch.setattr(sg, "_new_output", nan_filled)
+    monkeypatch.setattr(se, "_new_output", nan_filled)
     monkeypatch.setattr(qr, "_new_output", nan_filled)
     return allocated
 

@@ -5,7 +5,9 @@ backward (items 2 and 4 of tiny_llama_v4.py's docstring):
                           (kernels/flash_attention.py); backward: attention backward rotating dq, dk back, then
                           two vendor GEMMs
     SwiGLUFeedForward     gate/up GEMM with SwiGLU in its epilogue -> down GEMM (kernels/swiglu_gemm.py); backward:
-                          the down GEMM's input gradient with d(gate_up) in its epilogue, then vendor GEMMs
+                          the down GEMM's input gradient with d(gate_up) in its epilogue, then vendor GEMMs.
+                          With separate_swiglu (--separate-swiglu): vendor GEMMs only, and SwiGLU a kernel of its
+                          own each way (kernels/swiglu_elementwise.py), to measure what the epilogues buy
 
 Weight operands as in backward_overlap.ProjectionMatmul: a `*_gemm_weight` is the float32 weight or its 16-bit
 copy under autocast; the weight gradients come out in float32, on the weight-gradient stream when there is one.
@@ -15,6 +17,7 @@ import torch
 from version4_triton_ultra.backward_overlap import weight_gradient
 from version4_triton_ultra.kernels.flash_attention import packed_attention_backward, packed_attention_forward
 from version4_triton_ultra.kernels.qkv_rope_gemm import qkv_rope
+from version4_triton_ultra.kernels.swiglu_elementwise import swiglu, swiglu_backward
 from version4_triton_ultra.kernels.swiglu_gemm import down_swiglu_backward, gate_up_swiglu
 
 
@@ -62,15 +65,24 @@ class SwiGLUFeedForward(torch.autograd.Function):
     gate/up projection's input gradient is a vendor GEMM. Weight operands as in
     backward_overlap.ProjectionMatmul: `*_gemm_weight` is the float32 weight or its 16-bit copy under autocast;
     the weight gradients come out in float32 (on the weight-gradient stream when there is one).
+
+    separate_swiglu: the same function with vendor GEMMs only, SwiGLU and its backward as kernels of their own
+    between them (gate_up read back once more forward, dh written and read backward).
     """
 
     @staticmethod
-    def forward(ctx, x, gate_up_weight, gate_up_gemm_weight, down_weight, down_gemm_weight, weight_grad_stream):
+    def forward(ctx, x, gate_up_weight, gate_up_gemm_weight, down_weight, down_gemm_weight, weight_grad_stream,
+                separate_swiglu=False):
         x_rows = x.reshape(-1, x.shape[-1]).to(gate_up_gemm_weight.dtype)
-        gate_up, h = gate_up_swiglu(x_rows, gate_up_gemm_weight)
+        if separate_swiglu:
+            gate_up = x_rows @ gate_up_gemm_weight.T
+            h = swiglu(gate_up)
+        else:
+            gate_up, h = gate_up_swiglu(x_rows, gate_up_gemm_weight)
         y = h @ down_gemm_weight.T
         ctx.save_for_backward(x_rows, gate_up, h, gate_up_gemm_weight, down_gemm_weight)
         ctx.weights, ctx.weight_grad_stream, ctx.x_shape = (gate_up_weight, down_weight), weight_grad_stream, x.shape
+        ctx.separate_swiglu = separate_swiglu
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -83,7 +95,9 @@ class SwiGLUFeedForward(torch.autograd.Function):
         # The fused kernel first: on the second stream, a weight GEMM queued before it would start at the same
         # moment and take SMs from it. The down projection's weight GEMM then runs beside grad_x's GEMM.
         grad_gate_up = None
-        if needs_x or needs_gate_up_weight:
+        if (needs_x or needs_gate_up_weight) and ctx.separate_swiglu:
+            grad_gate_up = swiglu_backward(grad_y_rows @ down_gemm_weight, gate_up)
+        elif needs_x or needs_gate_up_weight:
             grad_gate_up = down_swiglu_backward(grad_y_rows, down_gemm_weight, gate_up)
         if needs_down_weight:
             grad_down_weight = weight_gradient(down_weight, grad_y_rows, h, ctx.weight_grad_stream)
@@ -91,4 +105,4 @@ class SwiGLUFeedForward(torch.autograd.Function):
             grad_x = (grad_gate_up @ gate_up_gemm_weight).view(ctx.x_shape)
         if needs_gate_up_weight:
             grad_gate_up_weight = weight_gradient(gate_up_weight, grad_gate_up, x_rows, ctx.weight_grad_stream)
-        return grad_x, grad_gate_up_weight, None, grad_down_weight, None, None
+        return grad_x, grad_gate_up_weight, None, grad_down_weight, None, None, None

@@ -14,6 +14,7 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
   4. SwiGLU inside the feed-forward GEMMs (kernels/swiglu_gemm.py): the gate/up GEMM computes h = silu(gate) * up
      in its epilogue, and the down projection's input-gradient GEMM computes d(gate_up) in its epilogue, so
      version 3's SwiGLU kernels (forward and backward) disappear (SwiGLUFeedForward in fused_layers.py).
+     --separate-swiglu puts them back, as kernels of version 4's own between vendor GEMMs, to measure the fusion.
   5. LM head + cross-entropy fused and chunked (kernels/linear_cross_entropy.py): the float32 logits of the
      whole batch never exist; the loss kernel writes d(loss)/d(logits) in place, so backward is two GEMMs.
   6. Token embedding + the first RMSNorm in one kernel each way (embedding_rms_norm in kernels/add_rmsnorm.py):
@@ -149,20 +150,25 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """gate/up GEMM with SwiGLU in its epilogue -> down GEMM (SwiGLUFeedForward); the backward likewise."""
+    """gate/up GEMM with SwiGLU in its epilogue -> down GEMM (SwiGLUFeedForward); the backward likewise.
+
+    With separate_swiglu True (--separate-swiglu): vendor GEMMs, and SwiGLU as a kernel of its own each way, the
+    form the epilogues replace; the same function, there to measure the fusion against cuBLAS/hipBLASLt.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         d, f = config.hidden_dim, config.intermediate_size
         self.gate_up_proj = Projection(d, 2 * f)   # rows: [gate; up]
         self.down_proj = Projection(f, d)
+        self.separate_swiglu = False
 
     def forward(self, x):
         device_type = x.device.type
         with profile_range("ffn"):
             return SwiGLUFeedForward.apply(x, self.gate_up_proj.weight, self.gate_up_proj.gemm_weight(device_type),
                                            self.down_proj.weight, self.down_proj.gemm_weight(device_type),
-                                           self.gate_up_proj.weight_grad_stream)
+                                           self.gate_up_proj.weight_grad_stream, self.separate_swiglu)
 
 
 class Norm(nn.Module):
@@ -358,6 +364,12 @@ class TinyLlama(nn.Module):
         for layer in self.layers:
             layer.attention.rope_in_qkv_gemm = not enabled
 
+    def use_separate_swiglu(self, enabled: bool = True):
+        """SwiGLU as a kernel of its own between vendor GEMMs (True) or in the Triton GEMMs' epilogues (False,
+        the default)."""
+        for layer in self.layers:
+            layer.feed_forward.separate_swiglu = enabled
+
     def use_exact_float32(self, exact: bool = True):
         """Float32 attention dot products in IEEE float32 rather than TF32 (equivalence tests use this)."""
         for layer in self.layers:
@@ -394,6 +406,9 @@ def add_arguments(group):
     group.add_argument("--rope-in-attention", action="store_true",
                        help="rotate q and k by RoPE as the attention kernel loads them, after a vendor QKV GEMM, "
                             "instead of in the QKV GEMM's epilogue (version 4's first fusion of RoPE; to compare)")
+    group.add_argument("--separate-swiglu", action="store_true",
+                       help="compute the feed-forward GEMMs with the vendor BLAS and SwiGLU as a kernel of its own "
+                            "each way, instead of in Triton GEMMs' epilogues (to compare at each shape)")
     group.add_argument("--torch-adamw", action="store_true",
                        help="update the weights with torch.optim.AdamW(fused=True) and copy the bfloat16 weights "
                             "in a kernel of their own, instead of version 4's Triton AdamW (to compare)")
@@ -402,13 +417,14 @@ def add_arguments(group):
 
 
 def shape_problem(config: ModelConfig, batch_size: int, seq_len: int, gemm_dtype: torch.dtype = torch.float32,
-                  rope_in_qkv_gemm: bool = True) -> str | None:
+                  rope_in_qkv_gemm: bool = True, swiglu_in_gemms: bool = True) -> str | None:
     """Why version 4's kernels cannot train this model on batches of batch_size x seq_len tokens whose GEMMs
     compute in gemm_dtype (one line that names the sizes to change), or None when they can. Each rule is asked
     of the kernel module that enforces it: flash attention (head dims, 32-bit offsets, grid), the fused norms
     (row width), the QKV + RoPE GEMM (head dims, weight size, column tiles of whole heads, row blocks; only when
-    it runs, i.e. unless --rope-in-attention) and the feed-forward GEMMs (weight size, row blocks), so that a
-    bad size is reported before anything is built instead of as a traceback from inside a kernel launch."""
+    it runs, i.e. unless --rope-in-attention) and the feed-forward GEMMs (weight size, row blocks; unless
+    --separate-swiglu), so that a bad size is reported before anything is built instead of as a traceback from
+    inside a kernel launch."""
     rows, dim, head_dim = batch_size * seq_len, config.hidden_dim, config.head_dim
     sizes = f"batch {batch_size} x seq_len {seq_len} = {rows} rows, hidden_dim {dim}"
     checks = [
@@ -417,8 +433,8 @@ def shape_problem(config: ModelConfig, batch_size: int, seq_len: int, gemm_dtype
         ("QKV + RoPE GEMM", qkv_kernels.shape_problem(rows, dim, dim, head_dim, gemm_dtype) if rope_in_qkv_gemm
          else None, sizes),
         ("add + RMSNorm", norm_kernels.shape_problem(dim), "--hidden-dim"),
-        ("SwiGLU GEMMs", ffn_kernels.shape_problem(rows, dim, config.intermediate_size, gemm_dtype),
-         f"{sizes}, intermediate_size {config.intermediate_size}"),
+        ("SwiGLU GEMMs", ffn_kernels.shape_problem(rows, dim, config.intermediate_size, gemm_dtype)
+         if swiglu_in_gemms else None, f"{sizes}, intermediate_size {config.intermediate_size}"),
     ]
     for kernel, problem, context in checks:
         if problem:
@@ -434,7 +450,8 @@ def shape_problem_of_args(args) -> str | None:
     config, train = resolve_configs(args)
     gemm_dtype = getattr(torch, train.amp_dtype) if train.use_amp else torch.float32
     return shape_problem(config, train.batch_size, train.seq_len, gemm_dtype,
-                         rope_in_qkv_gemm=not getattr(args, "rope_in_attention", False))
+                         rope_in_qkv_gemm=not getattr(args, "rope_in_attention", False),
+                         swiglu_in_gemms=not getattr(args, "separate_swiglu", False))
 
 
 def shape_problem_of_flags(flags: list[str]) -> str | None:
@@ -465,6 +482,7 @@ def build_model(config, args):
     model.capturable_optimizer = bool(args.cuda_graph)
     model.use_triton_adamw = not args.torch_adamw
     model.use_rope_in_attention(args.rope_in_attention)
+    model.use_separate_swiglu(args.separate_swiglu)
     return model
 
 
@@ -476,6 +494,8 @@ def describe(args) -> dict:
     if interpreter_active():
         step += " (in Triton's CPU interpreter: correct but slow)"
     rope = "in the attention kernel, on load" if args.rope_in_attention else "in the QKV GEMM's epilogue"
+    swiglu = ("a kernel of its own each way, between vendor GEMMs" if args.separate_swiglu
+              else "in the feed-forward GEMMs' epilogues")
     with_deepspeed = getattr(args, "deepspeed", None) or getattr(args, "deepspeed_config", None)
     if args.torch_adamw or with_deepspeed:   # DeepSpeed always gets torch's AdamW
         optimizer = "torch AdamW (fused)" if on_gpu else "torch AdamW"
@@ -486,7 +506,7 @@ def describe(args) -> dict:
     # On the CPU, PyTorch's matmuls and the interpreter's tl.dot (NumPy) both compute in IEEE float32.
     matmuls = describe_float32_matmuls(
         args, on_gpu, on_cpu="exact float32 in PyTorch and Triton's CPU interpreter (TF32, --tf32, is for NVIDIA GPUs)")
-    return {"step": step, "matmuls": matmuls, "RoPE": rope, "optimizer": optimizer}
+    return {"step": step, "matmuls": matmuls, "RoPE": rope, "SwiGLU": swiglu, "optimizer": optimizer}
 
 
 # The training step is a strategy of its own (graphed_step.py): the graph-captured step on a GPU, else eager.

@@ -134,9 +134,10 @@ def model_paths(run_stage, v4, embedding_backward):
             _train_step(run_stage.build_model(config, argparse.Namespace(stage=stage)), None, train)
         return step   # version 3's optimizer is torch's AdamW: no Triton kernel
 
-    def v4_model(rope_in_attention):
+    def v4_model(rope_in_attention=False, separate_swiglu=False):
         def step(config, train):
-            args = argparse.Namespace(cuda_graph=False, torch_adamw=False, rope_in_attention=rope_in_attention)
+            args = argparse.Namespace(cuda_graph=False, torch_adamw=False, rope_in_attention=rope_in_attention,
+                                      separate_swiglu=separate_swiglu)
             model = v4.build_model(config, args)
             _train_step(model, model.configure_optimizer(train), train)
         return step
@@ -149,7 +150,8 @@ def model_paths(run_stage, v4, embedding_backward):
                                               torch.empty(rows, config.hidden_dim), config.vocab_size)
 
     return [("v3", v3_stage(5)), ("v3 --stage 2", v3_stage(2)), ("v3 --stage 4", v3_stage(4)),
-            ("v4", v4_model(False)), ("v4 --rope-in-attention", v4_model(True)),
+            ("v4", v4_model()), ("v4 --rope-in-attention", v4_model(rope_in_attention=True)),
+            ("v4 --separate-swiglu", v4_model(separate_swiglu=True)),
             ("v4 embedding_backward()", v4_embedding_backward)]
 
 

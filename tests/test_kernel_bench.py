@@ -291,6 +291,27 @@ def test_shape_validation_only_for_the_selected_kernels(tmp_path):
     assert code == 0 and report["shape"]["head_dim"] == 48
 
 
+@pytest.mark.parametrize("preset, expected", [
+    ("medium", dict(batch_size=16, seq_len=512, hidden_dim=1024, num_heads=16, intermediate_size=2816,
+                    vocab_size=32000, dtype="bfloat16")),
+    ("large", dict(batch_size=8, seq_len=1024, hidden_dim=2048, num_heads=16, intermediate_size=5632,
+                   vocab_size=32000, dtype="bfloat16")),
+])
+def test_a_preset_gives_its_model_and_batch_and_bfloat16(preset, expected, tmp_path):
+    """--preset takes the sizes from configs/ (timed only on a GPU: here the shape is all that is recorded)."""
+    code, report = run_json(v4.main, tmp_path, "--preset", preset, "--kernel", "add_rmsnorm")
+    assert code == 0
+    assert {key: report["shape"][key] for key in expected} == expected
+
+
+def test_flags_override_a_preset(tmp_path):
+    code, report = run_json(v4.main, tmp_path, "--preset", "medium", "--batch-size", "2", "--dtype", "float32",
+                            "--kernel", "add_rmsnorm")
+    assert code == 0
+    assert (report["shape"]["batch_size"], report["shape"]["hidden_dim"], report["shape"]["dtype"]) == (
+        2, 1024, "float32")
+
+
 BAD_INPUTS = {
     "unknown kernel": ["--kernel", "layernorm"],
     "empty kernel list": ["--kernel", ","],
@@ -304,6 +325,7 @@ BAD_INPUTS = {
     "unsupported flash head dim": ["--hidden-dim", "96", "--num-heads", "2"],
     "rows too wide for rmsnorm": ["--hidden-dim", "16384", "--num-heads", "128", "--kernel", "rmsnorm"],
     "json into a missing directory": ["--output-json", "/no/such/dir/out.json"],
+    "unknown preset": ["--preset", "huge"],
     "unknown flag": ["--frobnicate"],
 }
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..cli import OneLineParser, command_line, fail, parse_or_exit_code, positive_int
-from ..config import ConfigError
+from ..config import ConfigError, load_yaml, preset_path, split_settings
 from ..device import describe, peak_bandwidth_tbs
 from ..outputs import write_json
 from ..paths import prove_output_file
@@ -31,8 +31,12 @@ def build_parser(prog: str, description: str, ops: list[OpBench]) -> argparse.Ar
                       ("--vocab-size", "vocab_size")):
         sizes.add_argument(flag, dest=key, type=positive_int, default=None,
                            help=f"default {SEED_SHAPE[key]} (interpreter: {INTERPRETER_SHAPE[key]})")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                        help="dtype of every input tensor (default float32)")
+    sizes.add_argument("--preset", metavar="NAME", default=None,
+                       help="the sizes of a size preset (configs/NAME.yaml: its model and its batch x sequence) "
+                            "instead of the seed config; the flags above override them")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="dtype of every input tensor (default float32; with --preset bfloat16, the dtype "
+                             "the presets train in)")
     names = ",".join(op.name for op in ops)
     parser.add_argument("--kernel", metavar="NAME[,NAME]", default=None,
                         help=f"only these ops, comma-separated, among {names} (default: all)")
@@ -56,10 +60,21 @@ def select_ops(ops: list[OpBench], kernel_arg: str | None) -> list[OpBench]:
     return [by_name[name] for name in dict.fromkeys(wanted)]   # the order given, without repeats
 
 
+def preset_shape(name: str) -> dict:
+    """The benchmark's sizes at a size preset: its model's dimensions, its training batch and sequence length."""
+    model, train = split_settings(load_yaml(preset_path(name)))
+    merged = {**model, **train}
+    return {key: merged.get(key, SEED_SHAPE[key]) for key in SEED_SHAPE}
+
+
 def resolve_shape(args, use_interpreter_defaults: bool, ops: list[OpBench]) -> BenchShape:
-    defaults = INTERPRETER_SHAPE if use_interpreter_defaults else SEED_SHAPE
+    if args.preset:
+        defaults = preset_shape(args.preset)
+    else:
+        defaults = INTERPRETER_SHAPE if use_interpreter_defaults else SEED_SHAPE
     sizes = {key: getattr(args, key) or value for key, value in defaults.items()}
-    shape = BenchShape(dtype=DTYPES[args.dtype], **sizes)
+    dtype = args.dtype or ("bfloat16" if args.preset else "float32")
+    shape = BenchShape(dtype=DTYPES[dtype], **sizes)
     if shape.D % shape.H:
         raise ConfigError(f"--hidden-dim {shape.D} is not divisible by --num-heads {shape.H}")
     for op in ops:

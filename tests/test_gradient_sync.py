@@ -177,3 +177,87 @@ def test_two_ranks_averaging_their_own_gradients_equal_one_process(tmp_path):
     assert metrics["distributed"]["gradients_averaged_by"] == "step" and reference["distributed"][
         "gradients_averaged_by"] is None
     assert_same_training(metrics, reference)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --grad-reduce-dtype bfloat16: the sums travel and are added in bfloat16, the gradients stay float32
+# ----------------------------------------------------------------------------------------------------------
+def bfloat16_sums_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Each rank: gradients that need more than bfloat16's 8 bits of mantissa; sum_ one, start_sum + finish one."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        context = dataclasses.replace(context_of(rank, world), grad_reduce_dtype="bfloat16")
+        sync = GradientAllReduce(context)
+        params = [torch.nn.Parameter(torch.zeros(64)) for _ in range(2)]
+        for param in params:
+            param.grad = (1.0 + torch.arange(64.0) / 1024) * (rank + 1)
+        sync.sum_(params[:1])
+        handles = sync.start_sum(params[1:])
+        sync.finish(handles)
+        torch.save({"grads": [p.grad for p in params], "described": sync.describe("v4's own step")},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bfloat16_sums_are_rounded_once_and_written_back_in_float32(tmp_path):
+    mp.spawn(bfloat16_sums_worker, args=(2, distributed.free_port(), str(tmp_path)), nprocs=2, join=True)
+    ramp = 1.0 + torch.arange(64.0) / 1024
+    # Each rank's gradient rounded to bfloat16, added in bfloat16 (the sum rounded again), back in float32.
+    expected = (ramp.bfloat16() + (2 * ramp).bfloat16()).float()
+    assert not torch.equal(expected, 3 * ramp)   # the rounding is visible: a float32 sum would fail this test
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for grad in got["grads"]:
+            assert grad.dtype == torch.float32
+            torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+        assert got["described"].endswith("(gloo), summed in bfloat16")
+
+
+def test_ddp_sums_in_bfloat16_when_asked(world_of_one):
+    """DDP gets a bfloat16 communication hook: at one rank the gradient comes back rounded to bfloat16."""
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    gradients = {}
+    for reduce_dtype in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 16)
+        context = dataclasses.replace(context_of(0, 1), grad_reduce_dtype=reduce_dtype)
+        wrapped = distributed.wrap_for_data_parallel(model, context)
+        wrapped(torch.randn(4, 16) * 1.001).sum().backward()
+        gradients[reduce_dtype] = model.weight.grad.clone()
+    assert not torch.equal(gradients["bfloat16"], gradients["float32"])
+    torch.testing.assert_close(gradients["bfloat16"], gradients["float32"].bfloat16().float(), rtol=0, atol=0)
+    assert context.describe().endswith("(gloo), gradients summed in bfloat16")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--grad-reduce-dtype", "float16"], "invalid choice: 'float16'"),
+    (["--grad-reduce-dtype", "bfloat16", "--deepspeed"], "--grad-reduce-dtype is for torchrun without --deepspeed"),
+])
+def test_grad_reduce_dtype_bad_input_is_one_line(argv, message, capsys):
+    from tinytransformer.cli import run as harness_run
+    try:
+        code = harness_run(own_averaging_v1.SPEC, argv + SIZES + ["--num-steps", "2"])
+    except SystemExit as exit_:   # argparse's own refusal
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_two_ranks_summing_in_bfloat16_stay_close_to_one_process(tmp_path):
+    """The whole path with --grad-reduce-dtype bfloat16: the header says so, the metrics record it, and the losses
+    follow the single-process run to bfloat16's rounding (not bit for bit)."""
+    import numpy as np
+    reference = single_process("v1", tmp_path)
+    out = tmp_path / "own_bf16.json"
+    result = run(TORCHRUN + ["--standalone", "--nproc-per-node", RANKS, REPO_ROOT / "tests" / "own_averaging_v1.py",
+                             *RUN, "--batch-size", GLOBAL_BATCH // RANKS, "--grad-reduce-dtype", "bfloat16",
+                             "--output-json", out], cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "over 2 rank(s) (gloo), summed in bfloat16" in result.stdout
+    metrics = json.loads(out.read_text())
+    assert metrics["distributed"]["grad_reduce_dtype"] == "bfloat16"
+    ours, theirs = np.array(metrics["loss"]["history"]), np.array(reference["loss"]["history"])
+    assert ours.shape == theirs.shape and np.isfinite(ours).all()
+    assert (np.abs(ours - theirs) / np.abs(theirs)).max() < 1e-2

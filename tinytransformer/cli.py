@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .checks import SEED_LIMIT, parse_int, parse_number
-from .config import (ConfigError, ModelConfig, TrainConfig, check_compatible, load_yaml, preset_path,
-                     split_settings)
+from .config import (GRAD_REDUCE_DTYPES, ConfigError, ModelConfig, TrainConfig, check_compatible, load_yaml,
+                     preset_path, split_settings)
 from .distributed import finish_together, is_main_process, shutdown as leave_process_group
 from .profiling.session import SORT_KEYS
 
@@ -217,6 +217,10 @@ def build_parser(spec: VersionSpec, prog: str | None = None) -> argparse.Argumen
     par.add_argument("--zero-stage", type=non_negative_int,
                      help="DeepSpeed ZeRO stage: 0 none, 1 partition the optimizer state, 2 and the gradients "
                           "[0]; 3 is not supported")
+    par.add_argument("--grad-reduce-dtype", choices=list(GRAD_REDUCE_DTYPES),
+                     help="dtype the ranks' gradients are summed in: bfloat16 halves the bytes of every all-reduce, "
+                          "rounding each sum to bfloat16 (DDP through a communication hook, version 4's own "
+                          "all-reduces likewise) [float32]")
     par.add_argument("--deepspeed-config", metavar="FILE.json",
                      help="a DeepSpeed configuration file (implies --deepspeed); batch, optimizer, schedule and "
                           "precision still come from the flags")

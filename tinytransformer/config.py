@@ -17,6 +17,9 @@ from .checks import (SEED_LIMIT, ConfigError, check_bool, check_choice, check_in
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 MIN_VOCAB = 2   # one token: every target is that token, the loss is 0 by construction and nothing is learned
+# The dtypes data parallel may sum gradients in: float32 (exact sums of the float32 gradients), or bfloat16 (half
+# the bytes on the wire and in the collective's kernels; each sum rounded to bfloat16's 8-bit mantissa).
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -91,6 +94,7 @@ class TrainConfig:
     deepspeed: bool = False          # DeepSpeed's engine instead of DistributedDataParallel
     zero_stage: int | None = None    # DeepSpeed ZeRO stage 0, 1 or 2 (None: the config file's, else 0)
     deepspeed_config: str | None = None   # a DeepSpeed JSON file (implies deepspeed)
+    grad_reduce_dtype: str = "float32"    # float32 | bfloat16: the dtype the ranks' gradients are summed in
     stop_on_nan: bool = True         # a non-finite loss ends the run (--no-stop-on-nan: train on, as exercises show)
     extra: dict = field(default_factory=dict)  # version-specific options (fusion switches, ...)
 
@@ -121,6 +125,7 @@ class TrainConfig:
         check_choice("device", self.device, ("auto", "cuda", "cpu"))
         check_choice("amp_dtype", self.amp_dtype, ("bfloat16", "float16"))
         check_choice("dist_backend", self.dist_backend, ("auto", "nccl", "gloo"))
+        check_choice("grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
         from .profiling.session import SORT_KEYS   # here: the profiling package imports this module
         check_choice("sort_by", self.sort_by, SORT_KEYS)
         for name in ("use_amp", "timing_breakdown", "validate_setup", "enable_pytorch_profiler", "profile_memory",
@@ -146,6 +151,9 @@ class TrainConfig:
             raise ConfigError("--zero-stage is a DeepSpeed setting: add --deepspeed")
         if self.zero_stage is not None:
             check_zero_stage(self.zero_stage)
+        if self.uses_deepspeed and self.grad_reduce_dtype != "float32":
+            raise ConfigError("--grad-reduce-dtype is for torchrun without --deepspeed: DeepSpeed sums gradients in "
+                              "its own communication_data_type (set it in --deepspeed-config)")
         if self.uses_deepspeed and (self.save_every or self.resume):
             raise ConfigError("checkpoints (--save-every, --resume) are not supported with --deepspeed: the optimizer "
                               "state lives inside DeepSpeed's engine (partitioned under ZeRO); use torchrun "

@@ -72,6 +72,7 @@ class DistributedContext:
     backend: str | None = None           # "nccl" (NCCL or RCCL) or "gloo"
     engine: str = "single"               # single | ddp | deepspeed
     device: torch.device = torch.device("cpu")
+    grad_reduce_dtype: str = "float32"   # what the gradients are summed in: float32 | bfloat16 (--grad-reduce-dtype)
 
     @property
     def is_main(self) -> bool:
@@ -82,7 +83,12 @@ class DistributedContext:
         if not self.enabled:
             return "single process"
         label = {"ddp": "DistributedDataParallel", "deepspeed": "DeepSpeed engine"}.get(self.engine, self.engine)
-        return f"{label} over {self.world_size} rank(s) ({self.backend_label})"
+        return f"{label} over {self.world_size} rank(s) ({self.backend_label}){self.reduce_dtype_note}"
+
+    @property
+    def reduce_dtype_note(self) -> str:
+        """', gradients summed in bfloat16' for the header when they are; nothing for the exact float32 sums."""
+        return "" if self.grad_reduce_dtype == "float32" else f", gradients summed in {self.grad_reduce_dtype}"
 
     @property
     def backend_label(self) -> str | None:
@@ -185,7 +191,7 @@ def setup(train: TrainConfig, device: torch.device, env=os.environ) -> Distribut
     init_kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **init_kwargs)
     engine = "deepspeed" if train.uses_deepspeed else "ddp"
-    return DistributedContext(True, rank, local_rank, world_size, backend, engine, device)
+    return DistributedContext(True, rank, local_rank, world_size, backend, engine, device, train.grad_reduce_dtype)
 
 
 def finish_together() -> None:
@@ -207,8 +213,9 @@ def wrap_for_data_parallel(model: torch.nn.Module, context: DistributedContext) 
 
     DDP broadcasts rank 0's weights at construction (all ranks loaded the same ones anyway), then all-reduces
     gradients in buckets (~25 MB each) DURING the backward pass, overlapping communication with the remaining
-    backward compute. Buffers are not re-broadcast before every forward: the models' buffers (RoPE tables,
-    causal mask) are constants, identical on every rank, so that would be wasted traffic.
+    backward compute (in bfloat16 under --grad-reduce-dtype bfloat16). Buffers are not re-broadcast before every
+    forward: the models' buffers (RoPE tables, causal mask) are constants, identical on every rank, so that would
+    be wasted traffic.
 
     torch.compile (version 2): the model arrives already compiled in place (Module.compile), and DDP wraps the
     compiled module. That is correct; note that the compiled backward then produces all gradients at its end, so
@@ -223,8 +230,26 @@ def wrap_for_data_parallel(model: torch.nn.Module, context: DistributedContext) 
     # Newer torch renamed the switch (and warns about the old name); both still sync buffers once, at init.
     no_buffer_sync = ("forward_sync_buffers" if "forward_sync_buffers" in
                       inspect.signature(DistributedDataParallel).parameters else "broadcast_buffers")
-    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                   **{no_buffer_sync: False})
+    wrapped = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
+                                      **{no_buffer_sync: False})
+    if context.grad_reduce_dtype == "bfloat16":
+        wrapped.register_comm_hook(None, bfloat16_average_hook)
+    return wrapped
+
+
+def bfloat16_average_hook(process_group, bucket):
+    """A DDP communication hook: each bucket of gradients divided by the world size, cast to bfloat16, summed over
+    the ranks in bfloat16, and written back into the float32 bucket. What PyTorch's bf16_compress_hook does, which
+    accepts only NCCL; this one runs on gloo too (the CPU tests)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.div(dist.get_world_size(group)).to(torch.bfloat16)
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def write_back(done):
+        buffer.copy_(done.value()[0])
+        return buffer
+    return future.then(write_back)
 
 
 def graph_capture_note(args, device: torch.device, context: DistributedContext,

@@ -106,7 +106,8 @@ def test_v1_two_ranks_equal_one_process(v1_reference, tmp_path):
     # Throughput is global: the global batch over rank 0's median step time.
     dist_info, timing = metrics["distributed"], metrics["timing"]
     assert dist_info == {"engine": "ddp", "world_size": 2, "backend": "gloo", "batch_size_per_rank": 4,
-                         "global_batch_size": 8, "gradients_averaged_by": "ddp", "zero_stage": None}
+                         "global_batch_size": 8, "gradients_averaged_by": "ddp", "zero_stage": None,
+                         "grad_reduce_dtype": "float32"}
     assert metrics["throughput"]["samples_per_s"] == pytest.approx(8 / (timing["median_ms"] / 1e3))
 
 

@@ -230,6 +230,37 @@ def test_ddp_sums_in_bfloat16_when_asked(world_of_one):
     assert context.describe().endswith("(gloo), gradients summed in bfloat16")
 
 
+def ddp_bfloat16_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Each rank: DDP with the bfloat16 hook on its own inputs, and the same model without DDP for its local
+    gradient (what DDP must average)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model, local = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+        local.load_state_dict(model.state_dict())
+        context = dataclasses.replace(context_of(rank, world), grad_reduce_dtype="bfloat16")
+        wrapped = distributed.wrap_for_data_parallel(model, context)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 + rank)) * (1.0 + rank)
+        wrapped(x).pow(2).sum().backward()
+        local(x).pow(2).sum().backward()
+        torch.save({"ddp": model.weight.grad, "local": local.weight.grad}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_bfloat16_hook_averages_once_over_two_ranks(tmp_path):
+    """Each rank's gradient divided by 2, rounded to bfloat16, summed in bfloat16: the mean, rounded, once."""
+    mp.spawn(ddp_bfloat16_worker, args=(2, distributed.free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    halves = [(got["local"] / 2).bfloat16() for got in results]
+    expected = (halves[0] + halves[1]).float()
+    for got in results:
+        torch.testing.assert_close(got["ddp"], expected, rtol=0, atol=0)
+    mean = (results[0]["local"] + results[1]["local"]) / 2
+    # Close to the float32 mean (bfloat16 keeps 8 bits of each half: errors up to ~2**-8 of the largest entries).
+    torch.testing.assert_close(expected, mean, rtol=0, atol=2**-7 * mean.abs().max().item())
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--grad-reduce-dtype", "float16"], "invalid choice: 'float16'"),
     (["--grad-reduce-dtype", "bfloat16", "--deepspeed"], "--grad-reduce-dtype is for torchrun without --deepspeed"),

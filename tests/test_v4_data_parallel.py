@@ -65,3 +65,18 @@ def test_two_gpus_in_the_graph_equal_one_gpu(flags, tmp_path):
     assert two.shape == single.shape and np.isfinite(two).all()
     assert np.abs(two - single).max() < 1e-3 * np.abs(single).max()
     assert single[-1] < single[0]   # and it trains
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [["--use-amp", "--amp-dtype", "bfloat16"], ["--no-cuda-graph"]],
+                         ids=["graph", "ddp-hook"])
+def test_torchrun_one_gpu_summing_in_bfloat16(flags, tmp_path):
+    """--grad-reduce-dtype bfloat16, captured in the graph (the bfloat16 buffers and their write-back on both
+    streams) or through DDP's hook: it runs, says so, and follows the plain process to bfloat16's rounding."""
+    _, single = v4_losses(tmp_path, "single", None, 8, *flags)
+    out, one_rank = v4_losses(tmp_path, "one_rank", 1, 8, "--grad-reduce-dtype", "bfloat16", *flags)
+    assert "summed in bfloat16" in out
+    assert (GRAPH_NOTE in out) if "--no-cuda-graph" not in flags else ("DistributedDataParallel over 1" in out)
+    assert one_rank.shape == single.shape and np.isfinite(one_rank).all()
+    assert (np.abs(one_rank - single) / np.abs(single)).max() < 1e-2
+    assert one_rank[-1] < one_rank[0]

@@ -243,7 +243,7 @@ def bfloat16_average_hook(process_group, bucket):
     accepts only NCCL; this one runs on gloo too (the CPU tests)."""
     group = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
-    compressed = buffer.div(dist.get_world_size(group)).to(torch.bfloat16)
+    compressed = buffer.div_(dist.get_world_size(group)).to(torch.bfloat16)   # the bucket is overwritten below
     future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
     def write_back(done):

@@ -14,8 +14,8 @@ Why the loss is scaled instead of the gradients divided. The average gradient ov
 sum_r grad_r / N. The step multiplies its loss by `loss_scale` = 1/N before backward, so each rank's gradients
 come out already divided by N, and a SUM all-reduce yields the average: no extra pass over every gradient after
 the all-reduce. At world size 1 the scale is exactly 1 and an in-place SUM over one rank leaves every value as
-it was, so `torchrun --nproc-per-node 1` trains bit-for-bit like a single process while paying for the
-communication path (what a scaling measurement needs as its first point).
+it was, so `torchrun --nproc-per-node 1` trains bit-for-bit like a single process (with float32 sums) while
+paying for the communication path (what a scaling measurement needs as its first point).
 
 Every rank must issue the same all-reduces in the same order (a collective matches calls by order), so
 `sum_` walks the parameters in the order given (the model's, identical on every rank) and skips exactly those
@@ -66,6 +66,10 @@ class GradientAllReduce:
     def _write_back(buffer: torch.Tensor, grad: torch.Tensor) -> None:
         if buffer is not grad:
             grad.copy_(buffer)
+            if buffer.is_cuda:
+                # start_sum may have made the buffer on another stream (the weight-gradient stream): the caching
+                # allocator must know this stream reads it too, or it could reuse the memory before the copy ran.
+                buffer.record_stream(torch.cuda.current_stream(buffer.device))
 
     def start_sum(self, params: Iterable[torch.nn.Parameter]) -> list:
         """Start the same all-reduces without waiting for them, and return their handles for `finish`.

@@ -81,7 +81,8 @@ def build_metrics(run, loss_values: list[float], timed_ms: list[float], wall_sec
                         "zero_stage": (run.engine.zero_optimization_stage()
                                        if run.dist.engine == "deepspeed" else None),
                         # the dtype the ranks' gradients were summed in (--grad-reduce-dtype); None in one process
-                        "grad_reduce_dtype": run.dist.grad_reduce_dtype if run.dist.enabled else None},
+                        # and under DeepSpeed (its own communication_data_type decides)
+                        "grad_reduce_dtype": (run.dist.grad_reduce_dtype if run.dist.engine == "ddp" else None)},
         "loss": {
             "first": loss_values[0] if loss_values else None,
             "final": loss_values[-1] if loss_values else None,

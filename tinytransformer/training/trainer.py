@@ -85,6 +85,9 @@ class Trainer:
         check_run_fits(spec.name, model_config, train, self.device, self.dist.world_size)
         note = distributed.graph_capture_note(args, self.device, self.dist, spec.averages_gradients)
         self.setup_notes = [note] if note else []
+        if train.grad_reduce_dtype != "float32" and not self.dist.enabled:
+            self.setup_notes.append(f"--grad-reduce-dtype {train.grad_reduce_dtype} has no effect in a single "
+                                    f"process: there is nothing to sum (start with torchrun)")
         self.checkpoints = CheckpointManager(spec.name, train, self.dist, self.log, argv)
 
     def log(self, text: str = "") -> None:

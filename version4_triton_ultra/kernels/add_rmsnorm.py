@@ -318,13 +318,15 @@ def _backward_program_count(n_rows, block_rows, block_d, device):
     """A few programs per SM (compute unit), each owning a contiguous range of rows.
 
     Fewer programs than rows keeps the partial-sum buffer (and its summing) small; a few per SM keep
-    enough loads in flight to stream at memory speed. How few: 4 per SM for rows of up to 512 features, 2 from
-    1,024 on, where each program's [rows, D] tile is already 4,096 elements of one or two rows and a longer
-    range of rows per program streams better. Measured on an H100 (132 SMs) for the kernel alone at 8,192 rows
+    enough loads in flight to stream at memory speed. How few: 4 per SM for rows of up to 512 features, 2 for
+    wider rows (a block of 1,024 features or more: 513 features already take one), where each program's
+    [rows, D] tile is already 4,096 elements of one to four rows and a longer range of rows per program streams
+    better. Measured on an H100 (132 SMs) for the kernel alone at 8,192 rows
     (the medium and large presets' batch x sequence), bfloat16 gradients, every tile and warp count swept:
     at 2,048 features 131.5 us a call with 2 programs per SM against 152.6 us or more with 4 (same tile and
     warps), at 1,024 features 69.4 against 71.6 us; the outputs matched. Rows of 256 features (the seed and
-    tiny presets) were tuned with 4 in the graph-captured step and keep it; 512 was not measured.
+    tiny presets) were tuned with 4 in the graph-captured step and keep it; 512 was not measured, nor was any
+    of this on an AMD GPU (the same rule applies there, per compute unit).
     """
     if is_gpu(device) and not interpreter_active():
         target = (2 if block_d >= 1024 else 4) * multiprocessor_count(device)

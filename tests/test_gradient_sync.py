@@ -244,6 +244,10 @@ def ddp_bfloat16_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         wrapped(x).pow(2).sum().backward()
         local(x).pow(2).sum().backward()
         torch.save({"ddp": model.weight.grad, "local": local.weight.grad}, Path(out_dir) / f"rank{rank}.pt")
+        # DDP's reducer holds the process group: let it go, and both ranks finish, before the group is destroyed
+        # (tearing the group down under a live reducer can abort the process).
+        del wrapped
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -134,54 +134,42 @@ def test_matches_v1_on_gpu_at_a_long_odd_sequence(version):
     assert compare(reference, candidate, GPU_EXACT_FLOAT32) == []
 
 
-# Version 4 computes SwiGLU in its feed-forward GEMMs' epilogues by default; --separate-swiglu uses vendor GEMMs
-# and SwiGLU kernels of its own instead (to measure the fusion). Both must be version 1's model.
-def test_v4_with_separate_swiglu_matches_v1_on_cpu():
+# Version 4's fusions each have a switch back to the form they replace, and every form must be version 1's model:
+# --separate-swiglu (vendor GEMMs and SwiGLU kernels of its own instead of SwiGLU in the GEMMs' epilogues) and
+# --rope-in-attention (RoPE as the attention kernel loads q and k, its first fused form, instead of in the QKV
+# GEMM's epilogue). Each: the model's method, and what it must have set in every layer.
+V4_SWITCHES = {
+    "separate-swiglu": ("use_separate_swiglu", lambda layer: layer.feed_forward.separate_swiglu),
+    "rope-in-attention": ("use_rope_in_attention", lambda layer: not layer.attention.rope_in_qkv_gemm),
+}
+
+
+def v4_with_switch(model, switch):
+    method, is_set = V4_SWITCHES[switch]
+    getattr(model, method)()
+    assert all(is_set(layer) for layer in model.layers)
+    return model
+
+
+@pytest.mark.parametrize("switch", V4_SWITCHES)
+def test_v4_with_a_switch_matches_v1_on_cpu(switch):
     needs_triton_on_the_cpu("v4")
     weights = canonical(SMALL, seed=1)
     inputs, targets = random_batch(SMALL, batch=2, seq=37, device="cpu", seed=2)
     reference = forward_backward(model_class("v1")(SMALL), weights, inputs, targets)
-    model = model_class("v4")(SMALL)
-    model.use_separate_swiglu()
-    assert all(layer.feed_forward.separate_swiglu for layer in model.layers)
+    model = v4_with_switch(model_class("v4")(SMALL), switch)
     assert compare(reference, forward_backward(model, weights, inputs, targets), CPU_FLOAT32["v4"]) == []
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("switch", V4_SWITCHES)
 @pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16], ids=["ieee-fp32", "bf16"])
-def test_v4_with_separate_swiglu_matches_v1_on_gpu(autocast_dtype):
+def test_v4_with_a_switch_matches_v1_on_gpu(autocast_dtype, switch):
     config = ModelConfig()
     weights = canonical(config, seed=1)
     inputs, targets = random_batch(config, batch=8, seq=128, device="cuda", seed=2)
     reference = forward_backward(gpu_model("v1", config, True), weights, inputs, targets,
                                  autocast_dtype=autocast_dtype)
-    model = gpu_model("v4", config, True)
-    model.use_separate_swiglu()
-    candidate = forward_backward(model, weights, inputs, targets, autocast_dtype=autocast_dtype)
-    assert compare(reference, candidate, GPU_BFLOAT16 if autocast_dtype else GPU_EXACT_FLOAT32) == []
-
-
-# Version 4 fuses RoPE into its QKV GEMM by default; --rope-in-attention rotates q and k in the attention kernel
-# instead (its first fused form). Both must be version 1's model.
-def test_v4_with_rope_in_attention_matches_v1_on_cpu():
-    needs_triton_on_the_cpu("v4")
-    weights = canonical(SMALL, seed=1)
-    inputs, targets = random_batch(SMALL, batch=2, seq=37, device="cpu", seed=2)
-    reference = forward_backward(model_class("v1")(SMALL), weights, inputs, targets)
-    model = model_class("v4")(SMALL)
-    model.use_rope_in_attention()
-    assert compare(reference, forward_backward(model, weights, inputs, targets), CPU_FLOAT32["v4"]) == []
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16], ids=["ieee-fp32", "bf16"])
-def test_v4_with_rope_in_attention_matches_v1_on_gpu(autocast_dtype):
-    config = ModelConfig()
-    weights = canonical(config, seed=1)
-    inputs, targets = random_batch(config, batch=8, seq=128, device="cuda", seed=2)
-    reference = forward_backward(gpu_model("v1", config, True), weights, inputs, targets,
-                                 autocast_dtype=autocast_dtype)
-    model = gpu_model("v4", config, True)
-    model.use_rope_in_attention()
+    model = v4_with_switch(gpu_model("v4", config, True), switch)
     candidate = forward_backward(model, weights, inputs, targets, autocast_dtype=autocast_dtype)
     assert compare(reference, candidate, GPU_BFLOAT16 if autocast_dtype else GPU_EXACT_FLOAT32) == []

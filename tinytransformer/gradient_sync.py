@@ -48,7 +48,7 @@ class GradientAllReduce:
             raise ValueError("GradientAllReduce needs a data-parallel run (a process group)")
         self.context = context
         self.loss_scale = 1.0 / context.world_size
-        self.reduce_dtype = getattr(torch, getattr(context, "grad_reduce_dtype", "float32"))
+        self.reduce_dtype = getattr(torch, context.grad_reduce_dtype)
 
     def sum_(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Replace each parameter's gradient by its sum over the ranks, in place, on the current stream."""
@@ -98,10 +98,6 @@ class GradientAllReduce:
     def describe(self, where: str) -> str:
         """For the run's header, e.g. 'gradients averaged in v4's own step (all-reduce, no DDP wrapper) over 2
         rank(s) (nccl)'."""
-        summed_in = "" if self.reduce_dtype == torch.float32 else f", summed in {dtype_name(self.reduce_dtype)}"
+        summed_in = "" if self.reduce_dtype == torch.float32 else f", summed in {self.context.grad_reduce_dtype}"
         return (f"gradients averaged in {where} (all-reduce, no DDP wrapper) over {self.context.world_size} "
                 f"rank(s) ({self.context.backend_label}){summed_in}")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

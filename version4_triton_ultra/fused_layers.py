@@ -95,10 +95,11 @@ class SwiGLUFeedForward(torch.autograd.Function):
         # The fused kernel first: on the second stream, a weight GEMM queued before it would start at the same
         # moment and take SMs from it. The down projection's weight GEMM then runs beside grad_x's GEMM.
         grad_gate_up = None
-        if (needs_x or needs_gate_up_weight) and ctx.separate_swiglu:
-            grad_gate_up = swiglu_backward(grad_y_rows @ down_gemm_weight, gate_up)
-        elif needs_x or needs_gate_up_weight:
-            grad_gate_up = down_swiglu_backward(grad_y_rows, down_gemm_weight, gate_up)
+        if needs_x or needs_gate_up_weight:
+            if ctx.separate_swiglu:
+                grad_gate_up = swiglu_backward(grad_y_rows @ down_gemm_weight, gate_up)
+            else:
+                grad_gate_up = down_swiglu_backward(grad_y_rows, down_gemm_weight, gate_up)
         if needs_down_weight:
             grad_down_weight = weight_gradient(down_weight, grad_y_rows, h, ctx.weight_grad_stream)
         if needs_x:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..cli import OneLineParser, command_line, fail, parse_or_exit_code, positive_int
-from ..config import ConfigError, load_yaml, preset_path, split_settings
+from ..config import ConfigError, load_yaml, preset_path
 from ..device import describe, peak_bandwidth_tbs
 from ..outputs import write_json
 from ..paths import prove_output_file
@@ -62,9 +62,8 @@ def select_ops(ops: list[OpBench], kernel_arg: str | None) -> list[OpBench]:
 
 def preset_shape(name: str) -> dict:
     """The benchmark's sizes at a size preset: its model's dimensions, its training batch and sequence length."""
-    model, train = split_settings(load_yaml(preset_path(name)))
-    merged = {**model, **train}
-    return {key: merged.get(key, SEED_SHAPE[key]) for key in SEED_SHAPE}
+    settings = load_yaml(preset_path(name))   # model and train settings in one flat mapping
+    return {key: settings.get(key, SEED_SHAPE[key]) for key in SEED_SHAPE}
 
 
 def resolve_shape(args, use_interpreter_defaults: bool, ops: list[OpBench]) -> BenchShape:

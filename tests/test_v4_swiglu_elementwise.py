@@ -71,3 +71,63 @@ def test_swiglu_rejects_mismatched_operands(device):
 @pytest.mark.parametrize("n_rows, n_ffn", [(1000, 512), (8192, 2816)], ids=["seed", "medium"])
 def test_swiglu_full_size_gpu(n_rows, n_ffn, dtype, device):
     check_swiglu(n_rows, n_ffn, dtype, device, seed=317)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which form the feed-forward layer uses: chosen by size unless a flag chooses (fused_layers.separate_swiglu_pays)
+# ----------------------------------------------------------------------------------------------------------
+def preset_shape(name):
+    """(rows, hidden_dim, intermediate_size) of a size preset's training batch."""
+    from tinytransformer.cli import build_parser, resolve_configs
+    from version4_triton_ultra import tiny_llama_v4 as v4
+    args, _ = build_parser(v4.SPEC).parse_known_args(["--preset", name])
+    config, train = resolve_configs(args)
+    return train.batch_size * train.seq_len, config.hidden_dim, config.intermediate_size
+
+
+@pytest.mark.parametrize("preset, separate", [("tiny", False), ("small", True), ("medium", True), ("large", True)])
+def test_the_size_rule_picks_the_form_measured_faster_at_each_preset(preset, separate):
+    from version4_triton_ultra.fused_layers import separate_swiglu_pays
+    assert separate_swiglu_pays(*preset_shape(preset)) is separate
+
+
+def test_the_size_rule_switches_at_its_threshold():
+    from version4_triton_ultra.fused_layers import SEPARATE_SWIGLU_FROM_MULTIPLY_ADDS as threshold
+    from version4_triton_ultra.fused_layers import separate_swiglu_pays
+    assert separate_swiglu_pays(threshold, 1, 1) and not separate_swiglu_pays(threshold - 1, 1, 1)
+
+
+@pytest.mark.parametrize("flags, expected", [([], None), (["--separate-swiglu"], True),
+                                             (["--swiglu-in-gemms"], False)])
+def test_the_flags_choose_a_form_or_leave_it_to_the_size(flags, expected):
+    from tinytransformer.cli import build_parser
+    from version4_triton_ultra import tiny_llama_v4 as v4
+    args, _ = build_parser(v4.SPEC).parse_known_args(flags)
+    assert args.separate_swiglu is expected
+    model = v4.build_model(v4.ModelConfig(vocab_size=64, hidden_dim=32, num_heads=2, num_layers=2,
+                                          intermediate_size=48, max_seq_len=16), args)
+    assert all(layer.feed_forward.separate_swiglu is expected for layer in model.layers)
+
+
+def test_both_swiglu_flags_are_one_line_and_exit_2(capsys):
+    from tinytransformer.cli import run as harness_run
+    from version4_triton_ultra import tiny_llama_v4 as v4
+    with pytest.raises(SystemExit) as exit_:
+        harness_run(v4.SPEC, ["--separate-swiglu", "--swiglu-in-gemms"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and "not allowed with argument" in err[0], err
+
+
+@pytest.mark.parametrize("threshold, separate", [(1, True), (2 ** 62, False)], ids=["above", "below"])
+def test_the_layer_without_a_flag_follows_the_size_rule(threshold, separate, monkeypatch):
+    """The same layer, the same batch: which kernels run follows the rule (its threshold moved to either side)."""
+    from version4_triton_ultra import fused_layers
+    from version4_triton_ultra import tiny_llama_v4 as v4
+    monkeypatch.setattr(fused_layers, "SEPARATE_SWIGLU_FROM_MULTIPLY_ADDS", threshold)
+    calls = []
+    monkeypatch.setattr(fused_layers, "swiglu", lambda gate_up: calls.append("separate") or se.swiglu(gate_up))
+    layer = v4.FeedForward(v4.ModelConfig(vocab_size=64, hidden_dim=32, num_heads=2, num_layers=1,
+                                          intermediate_size=48, max_seq_len=16))
+    assert layer.separate_swiglu is None
+    layer(torch.randn(2, 5, 32))
+    assert (calls == ["separate"]) is separate

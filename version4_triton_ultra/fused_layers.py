@@ -6,8 +6,8 @@ backward (items 2 and 4 of tiny_llama_v4.py's docstring):
                           two vendor GEMMs
     SwiGLUFeedForward     gate/up GEMM with SwiGLU in its epilogue -> down GEMM (kernels/swiglu_gemm.py); backward:
                           the down GEMM's input gradient with d(gate_up) in its epilogue, then vendor GEMMs.
-                          With separate_swiglu (--separate-swiglu): vendor GEMMs only, and SwiGLU a kernel of its
-                          own each way (kernels/swiglu_elementwise.py), to measure what the epilogues buy
+                          With separate_swiglu: vendor GEMMs only, and SwiGLU a kernel of its own each way
+                          (kernels/swiglu_elementwise.py); separate_swiglu_pays says at which sizes that is faster
 
 Weight operands as in backward_overlap.ProjectionMatmul: a `*_gemm_weight` is the float32 weight or its 16-bit
 copy under autocast; the weight gradients come out in float32, on the weight-gradient stream when there is one.
@@ -19,6 +19,24 @@ from version4_triton_ultra.kernels.flash_attention import packed_attention_backw
 from version4_triton_ultra.kernels.qkv_rope_gemm import qkv_rope
 from version4_triton_ultra.kernels.swiglu_elementwise import swiglu, swiglu_backward
 from version4_triton_ultra.kernels.swiglu_gemm import down_swiglu_backward, gate_up_swiglu
+
+
+# Which of SwiGLUFeedForward's two forms is faster depends on the size of its GEMMs. Measured on one H100 (bfloat16
+# autocast, graph-captured training step, two interleaved rounds; version 4's README), rows x hidden x intermediate:
+#   tiny    1,024 x   256 x   512  (0.13 G multiply-adds)   SwiGLU in the epilogues 0.41 ms, separate 0.42 ms
+#   small   4,096 x   512 x 1,376  (2.9 G)                                            2.33 ms           2.31 ms
+#   medium  8,192 x 1,024 x 2,816  (23.6 G)                                          23.88 ms          23.48 ms
+#   large   8,192 x 2,048 x 5,632  (94.5 G)                                         109.8 ms          105.3 ms
+# Small GEMMs are bound by launches and latency: the epilogue saves a kernel each way and a pass over gate_up. Large
+# ones are bound by the tensor cores, where the vendor BLAS's GEMM beats our Triton GEMM by more than the extra
+# pass costs. The threshold lies between the two smallest shapes. Not measured on AMD (hipBLASLt) nor in float32.
+SEPARATE_SWIGLU_FROM_MULTIPLY_ADDS = 2 ** 30
+
+
+def separate_swiglu_pays(rows: int, hidden_dim: int, intermediate_size: int) -> bool:
+    """True where the vendor GEMMs with SwiGLU as a kernel of its own beat SwiGLU in our GEMMs' epilogues: from
+    about a billion multiply-adds in the gate/up GEMM (rows x hidden_dim x intermediate_size, per half)."""
+    return rows * hidden_dim * intermediate_size >= SEPARATE_SWIGLU_FROM_MULTIPLY_ADDS
 
 
 class RotaryQKVAttention(torch.autograd.Function):

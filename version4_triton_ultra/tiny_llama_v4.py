@@ -14,7 +14,9 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
   4. SwiGLU inside the feed-forward GEMMs (kernels/swiglu_gemm.py): the gate/up GEMM computes h = silu(gate) * up
      in its epilogue, and the down projection's input-gradient GEMM computes d(gate_up) in its epilogue, so
      version 3's SwiGLU kernels (forward and backward) disappear (SwiGLUFeedForward in fused_layers.py).
-     --separate-swiglu puts them back, as kernels of version 4's own between vendor GEMMs, to measure the fusion.
+     From about a billion multiply-adds per GEMM (the small preset and up) the vendor GEMMs with SwiGLU as a kernel
+     of its own each way are faster, and the layer uses them (fused_layers.separate_swiglu_pays, measured);
+     --swiglu-in-gemms and --separate-swiglu choose one form at every size, to compare.
   5. LM head + cross-entropy fused and chunked (kernels/linear_cross_entropy.py): the float32 logits of the
      whole batch never exist; the loss kernel writes d(loss)/d(logits) in place, so backward is two GEMMs.
   6. Token embedding + the first RMSNorm in one kernel each way (embedding_rms_norm in kernels/add_rmsnorm.py):
@@ -72,7 +74,8 @@ from version3_triton.kernels.rope import rope_tables  # noqa: E402
 from version4_triton_ultra import graphed_step  # noqa: E402
 from version4_triton_ultra.backward_overlap import (  # noqa: E402
     CallDuringBackward, ProjectionMatmul, WeightGradientStream)
-from version4_triton_ultra.fused_layers import RotaryQKVAttention, SwiGLUFeedForward  # noqa: E402
+from version4_triton_ultra.fused_layers import (  # noqa: E402
+    RotaryQKVAttention, SwiGLUFeedForward, separate_swiglu_pays)
 from version4_triton_ultra.kernels import add_rmsnorm as norm_kernels  # noqa: E402
 from version4_triton_ultra.kernels import flash_attention as attention_kernels  # noqa: E402
 from version4_triton_ultra.kernels import qkv_rope_gemm as qkv_kernels  # noqa: E402
@@ -152,8 +155,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """gate/up GEMM with SwiGLU in its epilogue -> down GEMM (SwiGLUFeedForward); the backward likewise.
 
-    With separate_swiglu True (--separate-swiglu): vendor GEMMs, and SwiGLU as a kernel of its own each way, the
-    form the epilogues replace; the same function, there to measure the fusion against cuBLAS/hipBLASLt.
+    Or vendor GEMMs, with SwiGLU as a kernel of its own each way: the same function, faster from about a billion
+    multiply-adds per GEMM (separate_swiglu_pays). separate_swiglu None (the default) chooses by the batch's
+    size; True (--separate-swiglu) or False (--swiglu-in-gemms) chooses one form at every size.
     """
 
     def __init__(self, config: ModelConfig):
@@ -161,14 +165,20 @@ class FeedForward(nn.Module):
         d, f = config.hidden_dim, config.intermediate_size
         self.gate_up_proj = Projection(d, 2 * f)   # rows: [gate; up]
         self.down_proj = Projection(f, d)
-        self.separate_swiglu = False
+        self.separate_swiglu = None
+
+    def uses_separate_swiglu(self, rows: int) -> bool:
+        if self.separate_swiglu is not None:
+            return self.separate_swiglu
+        return separate_swiglu_pays(rows, self.down_proj.weight.shape[1], self.down_proj.weight.shape[0])
 
     def forward(self, x):
         device_type = x.device.type
+        separate = self.uses_separate_swiglu(x.numel() // x.shape[-1])
         with profile_range("ffn"):
             return SwiGLUFeedForward.apply(x, self.gate_up_proj.weight, self.gate_up_proj.gemm_weight(device_type),
                                            self.down_proj.weight, self.down_proj.gemm_weight(device_type),
-                                           self.gate_up_proj.weight_grad_stream, self.separate_swiglu)
+                                           self.gate_up_proj.weight_grad_stream, separate)
 
 
 class Norm(nn.Module):
@@ -364,9 +374,9 @@ class TinyLlama(nn.Module):
         for layer in self.layers:
             layer.attention.rope_in_qkv_gemm = not enabled
 
-    def use_separate_swiglu(self, enabled: bool = True):
-        """SwiGLU as a kernel of its own between vendor GEMMs (True) or in the Triton GEMMs' epilogues (False,
-        the default)."""
+    def use_separate_swiglu(self, enabled: bool | None = True):
+        """SwiGLU as a kernel of its own between vendor GEMMs (True), in the Triton GEMMs' epilogues (False), or
+        whichever is faster at the batch's size (None, the default)."""
         for layer in self.layers:
             layer.feed_forward.separate_swiglu = enabled
 
@@ -406,9 +416,15 @@ def add_arguments(group):
     group.add_argument("--rope-in-attention", action="store_true",
                        help="rotate q and k by RoPE as the attention kernel loads them, after a vendor QKV GEMM, "
                             "instead of in the QKV GEMM's epilogue (version 4's first fusion of RoPE; to compare)")
-    group.add_argument("--separate-swiglu", action="store_true",
-                       help="compute the feed-forward GEMMs with the vendor BLAS and SwiGLU as a kernel of its own "
-                            "each way, instead of in Triton GEMMs' epilogues (to compare at each shape)")
+    # Default (neither flag): the form that is faster at the run's size, from about a billion multiply-adds per
+    # feed-forward GEMM the vendor's (fused_layers.separate_swiglu_pays).
+    swiglu = group.add_mutually_exclusive_group()
+    swiglu.add_argument("--separate-swiglu", dest="separate_swiglu", action="store_const", const=True, default=None,
+                        help="at every size, compute the feed-forward GEMMs with the vendor BLAS and SwiGLU as a "
+                             "kernel of its own each way (default: chosen by size, this from the small preset up)")
+    swiglu.add_argument("--swiglu-in-gemms", dest="separate_swiglu", action="store_const", const=False,
+                        help="at every size, compute SwiGLU in the epilogues of Triton feed-forward GEMMs "
+                             "(default: chosen by size, this below the small preset)")
     group.add_argument("--torch-adamw", action="store_true",
                        help="update the weights with torch.optim.AdamW(fused=True) and copy the bfloat16 weights "
                             "in a kernel of their own, instead of version 4's Triton AdamW (to compare)")
@@ -451,7 +467,16 @@ def shape_problem_of_args(args) -> str | None:
     gemm_dtype = getattr(torch, train.amp_dtype) if train.use_amp else torch.float32
     return shape_problem(config, train.batch_size, train.seq_len, gemm_dtype,
                          rope_in_qkv_gemm=not getattr(args, "rope_in_attention", False),
-                         swiglu_in_gemms=not getattr(args, "separate_swiglu", False))
+                         swiglu_in_gemms=not separate_swiglu_of_args(args, config, train))
+
+
+def separate_swiglu_of_args(args, config: ModelConfig, train) -> bool:
+    """Whether this run's feed-forward layers use the vendor GEMMs and SwiGLU kernels of their own: as a flag
+    says, or else as the run's size decides (the layers decide the same way from the batch they get)."""
+    chosen = getattr(args, "separate_swiglu", None)
+    if chosen is not None:
+        return chosen
+    return separate_swiglu_pays(train.batch_size * train.seq_len, config.hidden_dim, config.intermediate_size)
 
 
 def shape_problem_of_flags(flags: list[str]) -> str | None:
@@ -494,8 +519,10 @@ def describe(args) -> dict:
     if interpreter_active():
         step += " (in Triton's CPU interpreter: correct but slow)"
     rope = "in the attention kernel, on load" if args.rope_in_attention else "in the QKV GEMM's epilogue"
-    swiglu = ("a kernel of its own each way, between vendor GEMMs" if args.separate_swiglu
-              else "in the feed-forward GEMMs' epilogues")
+    chosen_by_size = getattr(args, "separate_swiglu", None) is None
+    separate = separate_swiglu_of_args(args, *resolve_configs(args)) if chosen_by_size else args.separate_swiglu
+    swiglu = ("a kernel of its own each way, between vendor GEMMs" if separate
+              else "in the feed-forward GEMMs' epilogues") + (" (the faster form at this size)" if chosen_by_size else "")
     with_deepspeed = getattr(args, "deepspeed", None) or getattr(args, "deepspeed_config", None)
     if args.torch_adamw or with_deepspeed:   # DeepSpeed always gets torch's AdamW
         optimizer = "torch AdamW (fused)" if on_gpu else "torch AdamW"

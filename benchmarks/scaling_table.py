@@ -24,9 +24,22 @@ def averaging(results: dict, row: dict) -> str:
     return "DDP"
 
 
+def flag_value(flags: list, name: str) -> str | None:
+    """The value of `name` among flags passed through to the runs ('--name value' or '--name=value'), or None."""
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            return flags[i + 1]
+        if flag.startswith(name + "="):
+            return flag.split("=", 1)[1]
+    return None
+
+
 def what_ran(results: dict, row: dict) -> str:
-    compiled = " + torch.compile" if "--enable-torch-compile" in results.get("extra_flags", []) else ""
-    return f"{row['version']}{compiled}, {averaging(results, row)}"
+    flags = results.get("extra_flags", [])
+    compiled = " + torch.compile" if "--enable-torch-compile" in flags else ""
+    reduce_dtype = flag_value(flags, "--grad-reduce-dtype")
+    summed = f", summed in {reduce_dtype}" if reduce_dtype and reduce_dtype != "float32" else ""
+    return f"{row['version']}{compiled}, {averaging(results, row)}{summed}"
 
 
 def machine(results: dict) -> str:

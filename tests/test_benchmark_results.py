@@ -69,6 +69,32 @@ def test_scaling_table_says_how_each_row_averaged_its_gradients(tmp_path):
     assert "| 1 (no torchrun) |" in lines[1]
 
 
+def test_scaling_table_names_bfloat16_gradient_sums(tmp_path):
+    """A run with --grad-reduce-dtype bfloat16 passed through is a row of its own kind, never mistaken for one
+    with the exact float32 sums."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from scaling_table import flag_value, what_ran
+    row = {"version": "v4", "launcher": "torchrun", "gradients_averaged_by": "step"}
+    for flags, expected in [(["--grad-reduce-dtype", "bfloat16"], "v4, all-reduce in its graph, summed in bfloat16"),
+                            (["--grad-reduce-dtype=bfloat16"], "v4, all-reduce in its graph, summed in bfloat16"),
+                            (["--grad-reduce-dtype", "float32"], "v4, all-reduce in its graph"),
+                            ([], "v4, all-reduce in its graph")]:
+        assert what_ran({"engine": "ddp", "extra_flags": flags}, row) == expected, flags
+    assert flag_value(["--grad-reduce-dtype"], "--grad-reduce-dtype") is None   # a flag without its value
+
+
+def test_results_kept_beside_the_tables_record_machine_and_command():
+    """Reruns and ablations in benchmarks/results/<folder>/ (not README tables) name their machine, command and
+    the conditions they ran in."""
+    folders = [REPO_ROOT / "benchmarks" / "results" / name for name in ("reruns", "ablation")]
+    paths = [path for folder in folders for path in folder.glob("*.json")]
+    assert paths
+    for path in paths:
+        results = json.loads(path.read_text())
+        assert "python " in results["command"] and results["environment"]["gpu"], path.name
+        assert results["note"] and all("samples_per_s" in row for row in results["rows"]), path.name
+
+
 def test_compare_versions_runs_on_cpu_and_checks_agreement(tmp_path):
     out = tmp_path / "r.json"
     command = [sys.executable, "benchmarks/compare_versions.py", "--variants", "v1,v2", "--num-steps", "3",

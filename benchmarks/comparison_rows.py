@@ -158,7 +158,7 @@ def table(rows: list[dict]) -> str:
                  fmt(r["samples_per_s"], ",.0f"),
                  fmt(r["tokens_per_s"], ",.0f"), fmt(r["median_step_ms"], ".2f"), fmt(mfu, ".1f", "%"),
                  fmt(r["peak_memory_mib"], ",.0f"), fmt(r["kernels_per_step"], ".0f"),
-                 fmt(r["speedup_vs_v1"], ".2f") + "x", fmt(r["final_loss"], ".4f"))
+                 fmt(r["speedup_vs_v1"], ".2f", "x"), fmt(r["final_loss"], ".4f"))
         lines.append(markdown_row(cells))
     return "\n".join(lines)
 

@@ -74,7 +74,7 @@ def render(results: dict, name: str) -> str:
             lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | |")
             continue
         lines.append(f"| {r['variant']} | {fmt(r['samples_per_s'], ',.0f')} | {fmt(r['median_step_ms'], '.2f')} | "
-                     f"{fmt(r['speedup_vs_v1'], '.2f')}x | {fmt(r['peak_memory_mib'], ',.0f')} | "
+                     f"{fmt(r['speedup_vs_v1'], '.2f', 'x')} | {fmt(r['peak_memory_mib'], ',.0f')} | "
                      f"{fmt(r['kernels_per_step'], '.0f')} | {fmt(r['final_loss'], '.4f')} |")
     if results.get("note"):
         lines += ["", f"Note: {results['note']}."]

@@ -95,6 +95,21 @@ def test_results_kept_beside_the_tables_record_machine_and_command():
         assert results["note"] and all("samples_per_s" in row for row in results["rows"]), path.name
 
 
+def test_a_b_runs_and_profiles_record_machine_commands_and_method():
+    """The A/B pairs (benchmarks/results/ab/) keep every run with the command of each setting; the one-off
+    profiles (benchmarks/results/profiles/) say how they measured what they hold."""
+    results_dir = REPO_ROOT / "benchmarks" / "results"
+    for path in (results_dir / "ab").glob("*.json"):
+        results = json.loads(path.read_text())
+        assert results["environment"]["gpu"] and results["note"], path.name
+        assert all(command.startswith("python ") for command in results["commands"].values()), path.name
+        for run in results["runs"]:
+            assert run["p10_step_ms"] <= run["median_step_ms"] <= run["p90_step_ms"], (path.name, run)
+    for path in (results_dir / "profiles").glob("*.json"):
+        results = json.loads(path.read_text())
+        assert results["environment"]["gpu"] and results["method"] and results["results"], path.name
+
+
 def test_compare_versions_runs_on_cpu_and_checks_agreement(tmp_path):
     out = tmp_path / "r.json"
     command = [sys.executable, "benchmarks/compare_versions.py", "--variants", "v1,v2", "--num-steps", "3",
@@ -204,3 +219,33 @@ def test_launch_overhead_without_a_gpu_or_with_bad_flags_says_one_line(flags, me
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr
+
+
+def test_a_run_without_version_1_says_n_a_for_the_speed_up():
+    """compare_versions.py --variants without v1 has no reference to divide by: the column says n/a, not 'n/ax'."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from comparison_rows import table
+    row = {"variant": "v2+compile", "preset": None, "batch_size": 8, "seq_len": 128, "samples_per_s": 3664.0,
+           "tokens_per_s": 468971.0, "median_step_ms": 2.18, "mfu": 0.018, "peak_memory_mib": 158.0,
+           "kernels_per_step": None, "speedup_vs_v1": None, "final_loss": 1.6375}
+    cells = table([row]).splitlines()[-1].split(" | ")
+    assert cells[-2] == "n/a" and "n/ax" not in table([row])
+    assert table([{**row, "speedup_vs_v1": 9.31}]).splitlines()[-1].split(" | ")[-2] == "9.31x"
+
+
+def test_version_2_peer_table_quotes_the_committed_medians():
+    """Version 2's README table against the models people train is typed by hand: each of its step times must be
+    the committed median of that row, in the file the table names."""
+    import re
+    text = (REPO_ROOT / "version2_pytorch_fused" / "README.md").read_text()
+    table_rows = re.findall(r"^\| (seed|tiny|small|medium|large), (\w+) \(b\d+ s\d+\) \| (.+) \| `([\w.]+)` \|$",
+                            text, flags=re.MULTILINE)
+    assert len(table_rows) >= 5
+    for size, dtype, cells, file_name in table_rows:
+        results = json.loads((REPO_ROOT / "benchmarks" / "results" / file_name).read_text())
+        preset = None if size == "seed" else size
+        medians = {row["variant"]: row["median_step_ms"] for row in results["rows"]
+                   if row.get("preset") == preset and "error" not in row}
+        quoted = [float(cell.strip().removesuffix(" ms")) for cell in cells.split(" | ")]
+        for variant, value in zip(("v2", "hf", "v2+compile", "hf+compile"), quoted):
+            assert value == round(medians[variant], 2), (size, dtype, variant, value, medians[variant])

@@ -54,6 +54,7 @@ def test_profile_graphed_step_kernel_families():
     from version4_triton_ultra.profile_graphed_step import family_totals, kernel_family
     assert kernel_family("_flash_attention_backward_dq_kernel") == "attention"
     assert kernel_family("_down_swiglu_backward_kernel") == "feed-forward GEMMs + SwiGLU (Triton)"
+    assert kernel_family("_separate_swiglu_backward_kernel") == "SwiGLU between vendor GEMMs (Triton)"
     assert kernel_family("_qkv_rope_kernel") == "QKV GEMM + RoPE (Triton)"
     assert kernel_family("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NNN") == "GEMMs (vendor BLAS)"
     assert kernel_family("Cijk_Alik_Bljk_BBS_BH_MT128x128x32") == "GEMMs (vendor BLAS)"

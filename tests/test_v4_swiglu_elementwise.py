@@ -91,10 +91,12 @@ def test_the_size_rule_picks_the_form_measured_faster_at_each_preset(preset, sep
     assert separate_swiglu_pays(*preset_shape(preset)) is separate
 
 
-def test_the_size_rule_switches_at_its_threshold():
-    from version4_triton_ultra.fused_layers import SEPARATE_SWIGLU_FROM_MULTIPLY_ADDS as threshold
+def test_the_size_rule_switches_between_the_tiny_and_small_shapes():
+    """Rows of the small preset's model on either side of the threshold: 2,048 rows x 512 x 1,376 = 1.44 G
+    multiply-adds take the vendor GEMMs, 1,024 rows (0.72 G) the epilogues; the tiny model never at its batch."""
     from version4_triton_ultra.fused_layers import separate_swiglu_pays
-    assert separate_swiglu_pays(threshold, 1, 1) and not separate_swiglu_pays(threshold - 1, 1, 1)
+    assert separate_swiglu_pays(2048, 512, 1376) and not separate_swiglu_pays(1024, 512, 1376)
+    assert not separate_swiglu_pays(1024, 256, 512) and separate_swiglu_pays(8192, 256, 512)
 
 
 @pytest.mark.parametrize("flags, expected", [([], None), (["--separate-swiglu"], True),
@@ -119,15 +121,18 @@ def test_both_swiglu_flags_are_one_line_and_exit_2(capsys):
 
 
 @pytest.mark.parametrize("threshold, separate", [(1, True), (2 ** 62, False)], ids=["above", "below"])
-def test_the_layer_without_a_flag_follows_the_size_rule(threshold, separate, monkeypatch):
-    """The same layer, the same batch: which kernels run follows the rule (its threshold moved to either side)."""
+def test_the_layer_without_a_flag_follows_the_size_rule(threshold, separate, monkeypatch, device):
+    """The same layer, the same batch: which kernels run, forward and backward, follows the rule (its threshold
+    moved to either side of the batch's size)."""
     from version4_triton_ultra import fused_layers
     from version4_triton_ultra import tiny_llama_v4 as v4
     monkeypatch.setattr(fused_layers, "SEPARATE_SWIGLU_FROM_MULTIPLY_ADDS", threshold)
     calls = []
-    monkeypatch.setattr(fused_layers, "swiglu", lambda gate_up: calls.append("separate") or se.swiglu(gate_up))
+    monkeypatch.setattr(fused_layers, "swiglu", lambda gate_up: calls.append("forward") or se.swiglu(gate_up))
+    monkeypatch.setattr(fused_layers, "swiglu_backward",
+                        lambda grad_h, gate_up: calls.append("backward") or se.swiglu_backward(grad_h, gate_up))
     layer = v4.FeedForward(v4.ModelConfig(vocab_size=64, hidden_dim=32, num_heads=2, num_layers=1,
-                                          intermediate_size=48, max_seq_len=16))
+                                          intermediate_size=48, max_seq_len=16)).to(device)
     assert layer.separate_swiglu is None
-    layer(torch.randn(2, 5, 32))
-    assert (calls == ["separate"]) is separate
+    layer(torch.randn(2, 5, 32, device=device, requires_grad=True)).sum().backward()
+    assert calls == (["forward", "backward"] if separate else [])

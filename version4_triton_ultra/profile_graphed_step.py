@@ -44,6 +44,7 @@ from tinytransformer.precision import set_tf32  # noqa: E402
 # four versions (PyTorch's element-wise, copy and reduction kernels by kind), for the census.
 KERNEL_FAMILIES = (
     ("attention", r"flash_attention"),
+    ("SwiGLU between vendor GEMMs (Triton)", r"separate_swiglu"),   # the feed-forward's form from ~1 G multiply-adds
     ("feed-forward GEMMs + SwiGLU (Triton)", r"swiglu"),
     ("QKV GEMM + RoPE (Triton)", r"qkv_rope"),
     ("GEMMs (vendor BLAS)", r"gemm|nvjet|cutlass|Cijk_|splitKreduce|cublas"),
@@ -103,9 +104,13 @@ def model_config(args) -> ModelConfig:
 def shape_problem(args) -> str | None:
     """Version 4's shape rules (tiny_llama_v4.shape_problem) for the seed model at this batch and sequence."""
     from version4_triton_ultra import tiny_llama_v4 as v4
+    from version4_triton_ultra.fused_layers import separate_swiglu_pays
     gemm_dtype = torch.bfloat16 if args.use_amp else torch.float32
-    return v4.shape_problem(model_config(args), args.batch_size, args.seq_len, gemm_dtype,
-                            rope_in_qkv_gemm=not args.rope_in_attention)
+    config = model_config(args)
+    # The feed-forward's Triton GEMMs run only where the size rule keeps SwiGLU in their epilogues.
+    separate = separate_swiglu_pays(args.batch_size * args.seq_len, config.hidden_dim, config.intermediate_size)
+    return v4.shape_problem(config, args.batch_size, args.seq_len, gemm_dtype,
+                            rope_in_qkv_gemm=not args.rope_in_attention, swiglu_in_gemms=not separate)
 
 
 def build_step(args):

@@ -170,7 +170,8 @@ class FeedForward(nn.Module):
     def uses_separate_swiglu(self, rows: int) -> bool:
         if self.separate_swiglu is not None:
             return self.separate_swiglu
-        return separate_swiglu_pays(rows, self.down_proj.weight.shape[1], self.down_proj.weight.shape[0])
+        hidden_dim, intermediate_size = self.down_proj.weight.shape   # down: intermediate -> hidden
+        return separate_swiglu_pays(rows, hidden_dim, intermediate_size)
 
     def forward(self, x):
         device_type = x.device.type
@@ -520,6 +521,7 @@ def describe(args) -> dict:
         step += " (in Triton's CPU interpreter: correct but slow)"
     rope = "in the attention kernel, on load" if args.rope_in_attention else "in the QKV GEMM's epilogue"
     chosen_by_size = getattr(args, "separate_swiglu", None) is None
+    # Only a size decides needs the run's configuration (a caller may describe flags without one).
     separate = separate_swiglu_of_args(args, *resolve_configs(args)) if chosen_by_size else args.separate_swiglu
     swiglu = ("a kernel of its own each way, between vendor GEMMs" if separate
               else "in the feed-forward GEMMs' epilogues") + (" (the faster form at this size)" if chosen_by_size else "")

@@ -97,7 +97,7 @@ def test_results_kept_beside_the_tables_record_machine_and_command():
 
 def test_a_b_runs_and_profiles_record_machine_commands_and_method():
     """The A/B pairs (benchmarks/results/ab/) keep every run with the command of each setting; the one-off
-    profiles (benchmarks/results/profiles/) say how they measured what they hold."""
+    profiles (benchmarks/results/host_time/) say how they measured what they hold."""
     results_dir = REPO_ROOT / "benchmarks" / "results"
     for path in (results_dir / "ab").glob("*.json"):
         results = json.loads(path.read_text())
@@ -105,7 +105,7 @@ def test_a_b_runs_and_profiles_record_machine_commands_and_method():
         assert all(command.startswith("python ") for command in results["commands"].values()), path.name
         for run in results["runs"]:
             assert run["p10_step_ms"] <= run["median_step_ms"] <= run["p90_step_ms"], (path.name, run)
-    for path in (results_dir / "profiles").glob("*.json"):
+    for path in (results_dir / "host_time").glob("*.json"):
         results = json.loads(path.read_text())
         assert results["environment"]["gpu"] and results["method"] and results["results"], path.name
 

@@ -104,13 +104,9 @@ def model_config(args) -> ModelConfig:
 def shape_problem(args) -> str | None:
     """Version 4's shape rules (tiny_llama_v4.shape_problem) for the seed model at this batch and sequence."""
     from version4_triton_ultra import tiny_llama_v4 as v4
-    from version4_triton_ultra.fused_layers import separate_swiglu_pays
     gemm_dtype = torch.bfloat16 if args.use_amp else torch.float32
-    config = model_config(args)
-    # The feed-forward's Triton GEMMs run only where the size rule keeps SwiGLU in their epilogues.
-    separate = separate_swiglu_pays(args.batch_size * args.seq_len, config.hidden_dim, config.intermediate_size)
-    return v4.shape_problem(config, args.batch_size, args.seq_len, gemm_dtype,
-                            rope_in_qkv_gemm=not args.rope_in_attention, swiglu_in_gemms=not separate)
+    return v4.shape_problem(model_config(args), args.batch_size, args.seq_len, gemm_dtype,
+                            rope_in_qkv_gemm=not args.rope_in_attention)
 
 
 def build_step(args):

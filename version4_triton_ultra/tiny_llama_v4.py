@@ -434,15 +434,17 @@ def add_arguments(group):
 
 
 def shape_problem(config: ModelConfig, batch_size: int, seq_len: int, gemm_dtype: torch.dtype = torch.float32,
-                  rope_in_qkv_gemm: bool = True, swiglu_in_gemms: bool = True) -> str | None:
+                  rope_in_qkv_gemm: bool = True, swiglu_in_gemms: bool | None = None) -> str | None:
     """Why version 4's kernels cannot train this model on batches of batch_size x seq_len tokens whose GEMMs
     compute in gemm_dtype (one line that names the sizes to change), or None when they can. Each rule is asked
     of the kernel module that enforces it: flash attention (head dims, 32-bit offsets, grid), the fused norms
     (row width), the QKV + RoPE GEMM (head dims, weight size, column tiles of whole heads, row blocks; only when
     it runs, i.e. unless --rope-in-attention) and the feed-forward GEMMs (weight size, row blocks; unless
-    --separate-swiglu), so that a bad size is reported before anything is built instead of as a traceback from
-    inside a kernel launch."""
+    --separate-swiglu; swiglu_in_gemms None: where the size rule keeps them), so that a bad size is reported before
+    anything is built instead of as a traceback from inside a kernel launch."""
     rows, dim, head_dim = batch_size * seq_len, config.hidden_dim, config.head_dim
+    if swiglu_in_gemms is None:
+        swiglu_in_gemms = not separate_swiglu_pays(rows, dim, config.intermediate_size)
     sizes = f"batch {batch_size} x seq_len {seq_len} = {rows} rows, hidden_dim {dim}"
     checks = [
         ("flash attention", attention_kernels.shape_problem(batch_size * config.num_heads, seq_len, head_dim, 3 * dim),

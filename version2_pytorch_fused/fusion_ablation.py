@@ -7,8 +7,9 @@
 The rows: every switch off (version 1's computation), each switch alone, every switch on, and every switch on
 but one ("all-rope": what RoPE's rewrite adds to the rest). The switches: the six fusions and TF32 for float32
 matmuls on a GPU ("tf32"; under --use-amp the matmuls are bfloat16 and it changes nothing). Each runs
-tiny_llama_v2.py in a fresh process (so nothing, e.g. a compile cache, carries over) from the same canonical weights and data; the table shows median
-samples/s, the speed-up over "none", peak memory and, with --profile, GPU kernels per training step.
+tiny_llama_v2.py in a fresh process (so nothing, e.g. a compile cache, carries over) from the same canonical
+weights and data; the table shows median samples/s, the speed-up over "none", peak memory and, with --profile,
+GPU kernels per training step.
 """
 import json
 import subprocess

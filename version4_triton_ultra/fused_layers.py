@@ -39,6 +39,14 @@ def separate_swiglu_pays(rows: int, hidden_dim: int, intermediate_size: int) -> 
     return rows * hidden_dim * intermediate_size >= SEPARATE_SWIGLU_FROM_MULTIPLY_ADDS
 
 
+def uses_separate_swiglu(chosen: bool | None, rows: int, hidden_dim: int, intermediate_size: int) -> bool:
+    """The feed-forward form a layer runs: the one chosen (True: separate, False: in the epilogues; the flags
+    --separate-swiglu and --swiglu-in-gemms), or, with None, the faster one at this size."""
+    if chosen is not None:
+        return chosen
+    return separate_swiglu_pays(rows, hidden_dim, intermediate_size)
+
+
 class RotaryQKVAttention(torch.autograd.Function):
     """out = attention(RoPE(x @ W_qkv^T)), causal, with RoPE in the QKV GEMM's epilogue (kernels/qkv_rope_gemm.py).
 

@@ -75,7 +75,7 @@ from version4_triton_ultra import graphed_step  # noqa: E402
 from version4_triton_ultra.backward_overlap import (  # noqa: E402
     CallDuringBackward, ProjectionMatmul, WeightGradientStream)
 from version4_triton_ultra.fused_layers import (  # noqa: E402
-    RotaryQKVAttention, SwiGLUFeedForward, separate_swiglu_pays)
+    RotaryQKVAttention, SwiGLUFeedForward, separate_swiglu_pays, uses_separate_swiglu)
 from version4_triton_ultra.kernels import add_rmsnorm as norm_kernels  # noqa: E402
 from version4_triton_ultra.kernels import flash_attention as attention_kernels  # noqa: E402
 from version4_triton_ultra.kernels import qkv_rope_gemm as qkv_kernels  # noqa: E402
@@ -167,15 +167,10 @@ class FeedForward(nn.Module):
         self.down_proj = Projection(f, d)
         self.separate_swiglu = None
 
-    def uses_separate_swiglu(self, rows: int) -> bool:
-        if self.separate_swiglu is not None:
-            return self.separate_swiglu
-        hidden_dim, intermediate_size = self.down_proj.weight.shape   # down: intermediate -> hidden
-        return separate_swiglu_pays(rows, hidden_dim, intermediate_size)
-
     def forward(self, x):
         device_type = x.device.type
-        separate = self.uses_separate_swiglu(x.numel() // x.shape[-1])
+        hidden_dim, intermediate_size = self.down_proj.weight.shape   # down: intermediate -> hidden
+        separate = uses_separate_swiglu(self.separate_swiglu, x.numel() // hidden_dim, hidden_dim, intermediate_size)
         with profile_range("ffn"):
             return SwiGLUFeedForward.apply(x, self.gate_up_proj.weight, self.gate_up_proj.gemm_weight(device_type),
                                            self.down_proj.weight, self.down_proj.gemm_weight(device_type),
@@ -476,10 +471,8 @@ def shape_problem_of_args(args) -> str | None:
 def separate_swiglu_of_args(args, config: ModelConfig, train) -> bool:
     """Whether this run's feed-forward layers use the vendor GEMMs and SwiGLU kernels of their own: as a flag
     says, or else as the run's size decides (the layers decide the same way from the batch they get)."""
-    chosen = getattr(args, "separate_swiglu", None)
-    if chosen is not None:
-        return chosen
-    return separate_swiglu_pays(train.batch_size * train.seq_len, config.hidden_dim, config.intermediate_size)
+    return uses_separate_swiglu(getattr(args, "separate_swiglu", None), train.batch_size * train.seq_len,
+                                config.hidden_dim, config.intermediate_size)
 
 
 def shape_problem_of_flags(flags: list[str]) -> str | None:
@@ -526,7 +519,9 @@ def describe(args) -> dict:
     # Only a size decides needs the run's configuration (a caller may describe flags without one).
     separate = separate_swiglu_of_args(args, *resolve_configs(args)) if chosen_by_size else args.separate_swiglu
     swiglu = ("a kernel of its own each way, between vendor GEMMs" if separate
-              else "in the feed-forward GEMMs' epilogues") + (" (the faster form at this size)" if chosen_by_size else "")
+              else "in the feed-forward GEMMs' epilogues")
+    if chosen_by_size:
+        swiglu += " (the faster form at this size)"
     with_deepspeed = getattr(args, "deepspeed", None) or getattr(args, "deepspeed_config", None)
     if args.torch_adamw or with_deepspeed:   # DeepSpeed always gets torch's AdamW
         optimizer = "torch AdamW (fused)" if on_gpu else "torch AdamW"

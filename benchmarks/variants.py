@@ -13,6 +13,8 @@ VARIANTS = {
     "v1": ("v1", []),
     "v2": ("v2", []),
     "v2+compile": ("v2", COMPILE),
+    # torch.compile's kernels, and the whole step (forward, backward, AdamW) captured in one CUDA/HIP graph.
+    "v2+compile+graph": ("v2", ["--enable-torch-compile", "--torch-compile-mode", "default", "--cuda-graph"]),
     "v3": ("v3", []),
     "v4": ("v4", []),
     "hf": ("hf", []),

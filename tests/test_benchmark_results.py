@@ -246,6 +246,10 @@ def test_version_2_peer_table_quotes_the_committed_medians():
         preset = None if size == "seed" else size
         medians = {row["variant"]: row["median_step_ms"] for row in results["rows"]
                    if row.get("preset") == preset and "error" not in row}
-        quoted = [float(cell.strip().removesuffix(" ms")) for cell in cells.split(" | ")]
-        for variant, value in zip(("v2", "hf", "v2+compile", "hf+compile"), quoted):
-            assert value == round(medians[variant], 2), (size, dtype, variant, value, medians[variant])
+        quoted = [cell.strip() for cell in cells.split(" | ")]
+        for variant, value in zip(("v2", "hf", "v2+compile", "hf+compile", "v2+compile+graph"), quoted):
+            if value == "not run":   # a row the file does not hold may say so, and only then
+                assert variant not in medians, (size, dtype, variant)
+                continue
+            assert float(value.removesuffix(" ms")) == round(medians[variant], 2), (size, dtype, variant, value,
+                                                                                    medians[variant])

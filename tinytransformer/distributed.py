@@ -254,14 +254,15 @@ def bfloat16_average_hook(process_group, bucket):
 
 def graph_capture_note(args, device: torch.device, context: DistributedContext,
                        averages_gradients=None) -> str | None:
-    """Version 4 replays its whole step from a CUDA/HIP graph; what becomes of that step under data parallel,
-    decided here, early (before the model is built: its optimizer is made capturable only for a graph).
+    """Versions 2 (with --cuda-graph) and 4 replay their whole step from a CUDA/HIP graph; what becomes of that
+    step under data parallel, decided here, early (before the model is built: its optimizer is made capturable
+    only for a graph).
 
     Under DDP, a version whose own step averages the gradients (its spec's `averages_gradients(args, device)`
     hook, gradient_sync.py) keeps its graph: the all-reduces are captured in it, without the DDP wrapper.
     DeepSpeed's engine (and DDP, for a version without that hook) starts communication from Python hooks during
     the backward pass, which a replayed graph would skip: there --cuda-graph is switched off and the version runs
-    its eager step. Returns the note to print, or None (v1-v3, a single process, the CPU)."""
+    its eager step. Returns the note to print, or None (no --cuda-graph, a single process, the CPU)."""
     if not context.enabled or not getattr(args, "cuda_graph", False):
         return None
     if context.engine == "ddp" and averages_gradients is not None:
@@ -274,5 +275,6 @@ def graph_capture_note(args, device: torch.device, context: DistributedContext,
         return None   # on the CPU the graph was never going to be used
     if context.engine == "deepspeed":
         return ("DeepSpeed's engine launches its communication from Python hooks, which a CUDA/HIP graph cannot "
-                "replay; version 4 runs its eager step under DeepSpeed")
-    return "the CUDA/HIP-graph step cannot capture DDP's communication; version 4 runs its eager step under DDP"
+                "replay; --cuda-graph is switched off: the eager step under DeepSpeed")
+    return ("the CUDA/HIP-graph step cannot capture DDP's communication; --cuda-graph is switched off: the eager "
+            "step under DDP")

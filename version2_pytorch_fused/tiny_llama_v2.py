@@ -14,11 +14,16 @@ What changed from version 1 (`diff ../version1_pytorch_baseline/tiny_llama_v1.py
   8. On a GPU, float32 matmuls on the TF32 tensor cores (--no-tf32 for exact float32), as torch.compile itself
      advises and as version 4 does: each input keeps 10 mantissa bits, the sums stay float32. Under --use-amp
      the matmuls are bfloat16 anyway and this changes nothing.
+  9. Optional whole-step graph (--cuda-graph): forward, backward and the fused AdamW captured in ONE CUDA/HIP
+     graph and replayed, so a small step no longer waits for Python to launch its kernels
+     (tinytransformer/training/captured_step.py). With torch.compile, use its default mode: reduce-overhead
+     records graphs of its own.
 Each switch can be turned off; with all of them off (and --no-tf32 on a GPU) this file computes exactly version
 1's model.
 
 Run:   python tiny_llama_v2.py                              (all fusions on)
        python tiny_llama_v2.py --enable-torch-compile --torch-compile-mode reduce-overhead
+       python tiny_llama_v2.py --enable-torch-compile --cuda-graph   (compiled kernels, the whole step one graph)
        python tiny_llama_v2.py --disable-all-fusion         (= version 1's computation)
        python fusion_ablation.py                            (each switch alone and left out, one table)
 """
@@ -38,6 +43,7 @@ from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402
 from tinytransformer.precision import (  # noqa: E402
     add_tf32_arguments, apply_tf32_argument, describe_float32_matmuls)
 from tinytransformer.profiling.ranges import profile_range  # noqa: E402
+from tinytransformer.training import captured_step  # noqa: E402
 from tinytransformer.weights import (GATE_UP_GROUP, QKV_GROUP, check_canonical, fuse,  # noqa: E402
                                      init_canonical_weights, split)
 
@@ -226,7 +232,8 @@ class TinyLlama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.register_buffer("rope_signed_sin", signed_sin, persistent=False)
-        self.compile_optimizer = False   # set by build_model for --compile-optimizer
+        self.compile_optimizer = False      # set by build_model for --compile-optimizer
+        self.capturable_optimizer = False   # set by build_model for --cuda-graph
         mask = torch.triu(torch.ones(config.max_seq_len, config.max_seq_len, dtype=torch.bool), diagonal=1)
         self.register_buffer("causal_mask", mask, persistent=False)
         self._init_weights()
@@ -254,7 +261,8 @@ class TinyLlama(nn.Module):
         """AdamW with version 1's settings. fused: one multi-tensor kernel for every parameter (CUDA, ROCm and the
         CPU have it); where the build lacks it, the multi-tensor (foreach) AdamW, said once. With
         --compile-optimizer the step is compiled (the learning rate then lives in a tensor, so a schedule
-        changes it without recompiling)."""
+        changes it without recompiling). With --cuda-graph on a GPU the AdamW is `capturable`: its step counter
+        stays on the device, where a replayed graph can advance it."""
         params = list(self.parameters())
         hyper = dict(betas=(0.9, 0.95), weight_decay=train.weight_decay)
         lr = train.learning_rate
@@ -266,6 +274,8 @@ class TinyLlama(nn.Module):
             # Inductor writes its own fused kernels for the update: the compiled step replaces the eager one.
             optimizer.step = torch.compile(optimizer.step)
             return optimizer
+        if self.capturable_optimizer and params[0].is_cuda:
+            hyper["capturable"] = True
         if self.fusions.fused_adamw:
             try:
                 return torch.optim.AdamW(params, lr=lr, fused=True, **hyper)
@@ -313,7 +323,25 @@ def add_arguments(group):
                        "times several kernels per GEMM (minutes of compilation)")
     group.add_argument("--compile-optimizer", action="store_true", default=False,
                        help="compile the optimizer step with torch.compile (replaces the fused AdamW)")
+    group.add_argument("--cuda-graph", action="store_true", default=False,
+                       help="capture the whole training step (forward, backward, AdamW) in one CUDA/HIP graph and "
+                            "replay it (GPU only; with torch.compile, its default mode)")
+    group.add_argument("--graph-warmup-steps", type=int, default=3,
+                       help="eager steps before the capture (they make the optimizer state and compile the code)")
     add_tf32_arguments(group)
+
+
+def check_arguments(args, device):
+    """One line for the combinations that cannot work, before anything is built."""
+    if args.cuda_graph and args.enable_torch_compile and args.torch_compile_mode != "default":
+        raise ConfigError(f"--cuda-graph captures the whole step in one graph, and torch.compile's "
+                          f"{args.torch_compile_mode} mode records CUDA/HIP graphs of its own inside it: use "
+                          f"--torch-compile-mode default with --cuda-graph")
+    if args.cuda_graph and args.compile_optimizer:
+        raise ConfigError("--cuda-graph captures the fused AdamW's step; drop --compile-optimizer")
+    if args.graph_warmup_steps < 1:
+        raise ConfigError("--graph-warmup-steps must be at least 1 (the optimizer state must exist before capture)")
+    apply_tf32_argument(args, device)
 
 
 def fusions_from_args(args) -> Fusions:
@@ -326,6 +354,7 @@ def fusions_from_args(args) -> Fusions:
 def build_model(config, args):
     model = TinyLlama(config, fusions_from_args(args))
     model.compile_optimizer = args.compile_optimizer
+    model.capturable_optimizer = args.cuda_graph
     if args.enable_torch_compile:
         # Compiles forward (and, through AOTAutograd, backward) in place; the module keeps its methods.
         model.compile(mode=args.torch_compile_mode)
@@ -339,12 +368,20 @@ def describe(args) -> dict:
     if args.compile_optimizer:
         compiled += ", compiled optimizer step"
     on_gpu = torch.cuda.is_available() and args.device != "cpu"
+    if getattr(args, "cuda_graph", False):
+        if not on_gpu:
+            compiled += ", no graph (--cuda-graph needs a GPU)"
+        elif captured_step.captures_step(args, torch.device("cuda")):
+            compiled += ", the whole step replayed from one CUDA/HIP graph"
+        else:
+            compiled += ", no graph (float16 AMP's loss scaler decides on the host, which a graph cannot replay)"
     return {"fusions": ", ".join(on) if on else "none (version 1's computation)", "execution": compiled,
             "matmuls": describe_float32_matmuls(args, on_gpu)}
 
 
+# The training step: the harness's eager one, or with --cuda-graph on a GPU the whole step captured in one graph.
 SPEC = VersionSpec(name="v2", title="PyTorch fused", build_model=build_model, add_arguments=add_arguments,
-                   check_arguments=apply_tf32_argument, describe=describe)
+                   check_arguments=check_arguments, describe=describe, make_step=captured_step.make_step)
 
 
 def main(argv=None):

@@ -15,7 +15,7 @@ from tinytransformer import triton_support
 from version3_triton.kernels import flash_attention as v3_fa
 from version4_triton_ultra.kernels import flash_attention as fa
 
-from .attention_checks import (TOLERANCE, check_against_reference, check_backward_is_deterministic,
+from .attention_checks import (TF32_TOLERANCE, TOLERANCE, check_against_reference, check_backward_is_deterministic,
                                check_non_contiguous_inputs_and_broadcast_grad, check_packed_against_reference,
                                check_packed_equals_unpacked, fixed_tiles, pack_heads, recording_new_buffer,
                                reference_attention, relative_error, rope_tables, rotate_half, unpack_reference)
@@ -234,3 +234,32 @@ def test_launch_choices_are_version_3s(kernel, monkeypatch):
                 assert (fa._launch_config(head_dim, dtype, seq_len, kernel)
                         == v3_fa._launch_config(head_dim, dtype, seq_len, kernel))
     assert fa.SUPPORTED_HEAD_DIMS == v3_fa.SUPPORTED_HEAD_DIMS
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tune_attention_tiles.py: its float64 check must pass the kernels as they are and catch a wrong answer
+# ----------------------------------------------------------------------------------------------------------
+def test_the_tile_tuners_check_passes_the_kernels_and_catches_a_wrong_answer(device, small_interpreter_blocks):
+    """Small tiles in the interpreter, so the 40-long sequence spans several (and a partial one)."""
+    from version4_triton_ultra import tune_attention_tiles as tune
+    torch.manual_seed(0)
+    problem = tune.Problem(1, 2, 40, 16, torch.float32, device=device)
+    want_out, want_grads = problem.reference()
+    out, lse = problem.forward()
+    grads = problem.backward(out, lse).split(problem.dim, dim=-1)
+    # float32 through TF32 on a GPU (the pass's default), exact float32 in the interpreter.
+    tolerance = tune.TOLERANCE[torch.float32] if device.type == "cpu" else TF32_TOLERANCE
+    assert tune.relative_error(out, want_out) < tolerance
+    assert max(tune.relative_error(g, w) for g, w in zip(grads, want_grads)) < tolerance
+    assert tune.relative_error(out * 1.01, want_out) > 100 * tolerance   # a 1% error is caught
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("flags", [[], ["--shape", "8x16"], ["--kernels", "fwd"]])
+def test_the_tile_tuner_needs_a_gpu_and_good_flags(flags):
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "version4_triton_ultra" / "tune_attention_tiles.py"
+    result = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "error:" in result.stderr

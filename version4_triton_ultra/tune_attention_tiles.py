@@ -1,0 +1,185 @@
+"""Time version 4's flash-attention kernels under other tiles at one shape, and check each against float64.
+
+    python tune_attention_tiles.py                                     (the large preset's: 8 x 16 x 1024, Dh 128)
+    python tune_attention_tiles.py --shape 16x16x512 --head-dim 64     (the medium preset's)
+    python tune_attention_tiles.py --kernels dq,dkdv --dtype float16
+
+kernels/flash_attention.py launches its three kernels with FIXED tiles, warps and pipeline stages
+(`_launch_config`). This script replaces one kernel's choice at a time (the other two keep theirs), times the
+pass that kernel belongs to with CUDA events (the forward: one kernel; the backward: dq then dk/dv, RoPE rotated
+back as the model's backward does), and runs the same pass on a one-sequence, two-head problem of the same length
+against attention computed in float64. A configuration is worth adopting only if it is faster AND right: the
+"error" column is the largest relative error of out (forward) or of dq, dk, dv (backward), and "WRONG" marks one
+above the tolerance the kernel tests use. Needs a GPU (version 3's tune_flash_attention.py is the same idea for its
+kernels, timed from CUDA graphs).
+"""
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
+
+from tinytransformer.cli import OneLineParser  # noqa: E402
+from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
+
+enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
+
+from version4_triton_ultra.kernels import flash_attention as fa  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}   # as tests/attention_checks.py
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); for dk/dv BLOCK_N is the keys a program owns, BLOCK_M the query step.
+CANDIDATES = {
+    "forward": [(64, 32, 4, 1), (64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+                (128, 32, 8, 2), (128, 128, 8, 2)],
+    "dq": [(32, 32, 4, 1), (64, 32, 4, 1), (64, 64, 4, 1), (64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2),
+           (128, 64, 8, 3)],
+    "dkdv": [(32, 32, 4, 1), (32, 64, 4, 1), (64, 64, 4, 1), (32, 64, 4, 2), (64, 64, 4, 2), (64, 128, 8, 2),
+             (64, 128, 8, 3)],
+}
+
+
+def parse_args(argv):
+    parser = OneLineParser(prog="tune_attention_tiles.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="8x16x1024", help="batch x heads x sequence [8x16x1024]")
+    parser.add_argument("--head-dim", type=int, choices=fa.SUPPORTED_HEAD_DIMS, default=128)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    parser.add_argument("--kernels", default="forward,dq,dkdv", help="comma-separated, from forward,dq,dkdv [all]")
+    args = parser.parse_args(argv)
+    parts = args.shape.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        parser.error(f"--shape: expected BATCHxHEADSxSEQ (e.g. 8x16x1024), got {args.shape!r}")
+    args.batch, args.heads, args.seq_len = (int(p) for p in parts)
+    args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = [k for k in args.kernels if k not in CANDIDATES]
+    if unknown or not args.kernels:
+        parser.error(f"--kernels: choose from forward,dq,dkdv (got {args.kernels!r})")
+    if not torch.cuda.is_available():
+        parser.error("needs a GPU (CUDA or ROCm): timings in Triton's CPU interpreter say nothing about one")
+    return args
+
+
+def rope_tables(seq_len, head_dim, device):
+    inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq).repeat(1, 2)
+    return angles.cos().float(), angles.sin().float()
+
+
+def rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class Problem:
+    """A packed qkv [B, S, 3D] whose q and k are already rotated (as version 4's QKV GEMM hands them over)."""
+
+    def __init__(self, batch, heads, seq_len, head_dim, dtype, device="cuda"):
+        self.heads, self.dim = heads, heads * head_dim
+        self.qkv = torch.randn(batch, seq_len, 3 * self.dim, device=device).to(dtype)
+        self.grad_out = torch.randn(batch, seq_len, self.dim, device=device).to(dtype)
+        self.cos, self.sin = rope_tables(seq_len, head_dim, device)
+
+    def forward(self):
+        return fa.packed_attention_forward(self.qkv, self.heads)
+
+    def backward(self, out, lse):
+        return fa.packed_attention_backward(self.qkv, out, lse, self.grad_out, self.heads, rope=(self.cos, self.sin))
+
+    def reference(self):
+        """out, and the gradient of the UNrotated q, k and v, in float64."""
+        batch, seq_len, _ = self.qkv.shape
+        head_dim = self.dim // self.heads
+        rotated = self.qkv.double()
+        heads = lambda t: t.view(batch, seq_len, self.heads, head_dim).transpose(1, 2)  # noqa: E731
+        cos, sin = self.cos.double(), self.sin.double()
+        # Undo the rotation to get the inputs whose gradient the backward pass returns.
+        q0 = rotate(heads(rotated[..., :self.dim]), cos, -sin).detach().requires_grad_()
+        k0 = rotate(heads(rotated[..., self.dim:2 * self.dim]), cos, -sin).detach().requires_grad_()
+        v = heads(rotated[..., 2 * self.dim:]).detach().requires_grad_()
+        scores = rotate(q0, cos, sin) @ rotate(k0, cos, sin).transpose(-1, -2) / math.sqrt(head_dim)
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=self.qkv.device).triu(1)
+        out = (scores.masked_fill(mask, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(batch, seq_len, -1)
+        out.backward(self.grad_out.double())
+        grads = [g.transpose(1, 2).reshape(batch, seq_len, -1) for g in (q0.grad, k0.grad, v.grad)]
+        return out.detach(), grads
+
+
+def relative_error(got, want):
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def time_us(fn, calls=10, repeats=5):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    return statistics.median(times)
+
+
+def with_tiles(kernel, tiles):
+    """A stand-in for fa._launch_config: `tiles` for `kernel`, the module's own choice for the others."""
+    original = fa._launch_config
+    block_m, block_n, warps, stages = tiles
+
+    def launch_config(head_dim, dtype, seq_len, name, *rest):
+        if name == kernel:
+            return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        return original(head_dim, dtype, seq_len, name, *rest)
+    return launch_config
+
+
+def measure(kernel, timed, checked, reference, dtype):
+    """(microseconds, largest relative error) of the pass `kernel` belongs to, under the current _launch_config."""
+    if kernel == "forward":
+        us = time_us(timed.forward)
+        out, _ = checked.forward()
+        return us, relative_error(out, reference[0])
+    out, lse = timed.forward()
+    us = time_us(lambda: timed.backward(out, lse))
+    small_out, small_lse = checked.forward()
+    grads = checked.backward(small_out, small_lse).split(checked.dim, dim=-1)
+    return us, max(relative_error(g, r) for g, r in zip(grads, reference[1]))
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(0)
+    timed = Problem(args.batch, args.heads, args.seq_len, args.head_dim, dtype)
+    checked = Problem(1, 2, args.seq_len, args.head_dim, dtype)
+    reference = checked.reference()
+    print(f"{torch.cuda.get_device_name()}: {args.shape}, head dim {args.head_dim}, {args.dtype}, causal; "
+          f"us per call of the pass (median of 5 x 10 calls); error against float64 (tolerance "
+          f"{TOLERANCE[dtype]:.0e})")
+    original = fa._launch_config
+    for kernel in args.kernels:
+        current = original(args.head_dim, dtype, args.seq_len, kernel)
+        current_tiles = (current["BLOCK_M"], current["BLOCK_N"], current["num_warps"], current["num_stages"])
+        for tiles in [current_tiles] + [t for t in CANDIDATES[kernel] if t != current_tiles]:
+            fa._launch_config = with_tiles(kernel, tiles)
+            try:
+                us, error = measure(kernel, timed, checked, reference, dtype)
+                verdict = "ok" if error < TOLERANCE[dtype] else "WRONG"
+                shown = f"{us:9.1f} us  error {error:.1e}  {verdict}"
+            except Exception as why:   # noqa: BLE001 - a config this GPU cannot compile or run is not a candidate
+                shown = f"fails: {str(why).splitlines()[0][:80]}"
+            finally:
+                fa._launch_config = original
+            name = "{}x{} w{} s{}".format(*tiles) + ("  (current)" if tiles == current_tiles else "")
+            print(f"{kernel:<8} {name:<24} {shown}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

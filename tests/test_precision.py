@@ -127,10 +127,14 @@ def test_the_training_scripts_tf32_switch(module, flags, expected):
         "TF32 tensor cores for float32" if expected else "exact float32")
 
 
-def test_version2_applies_its_tf32_switch_and_says_which_matmuls_ran():
+def test_version2_applies_its_tf32_switch_and_says_which_matmuls_ran(monkeypatch):
     from tinytransformer.cli import build_parser
     from version2_pytorch_fused import tiny_llama_v2
-    # The harness calls check_arguments with the run's device.
-    assert tiny_llama_v2.SPEC.check_arguments is precision.apply_tf32_argument
     args = build_parser(tiny_llama_v2.SPEC).parse_args(["--device", "cpu"])
+    # The harness calls check_arguments with the run's device; version 2's passes both on to the TF32 switch.
+    seen = []
+    monkeypatch.setattr(tiny_llama_v2, "apply_tf32_argument", lambda *call: seen.append(call))
+    tiny_llama_v2.SPEC.check_arguments(args, torch.device("cuda"))
+    assert seen == [(args, torch.device("cuda"))]
+    monkeypatch.undo()
     assert tiny_llama_v2.describe(args)["matmuls"].startswith("exact float32")

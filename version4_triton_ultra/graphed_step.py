@@ -5,6 +5,7 @@ below is the spec's make_step hook, as the other step strategies are reached thr
 import torch
 
 from tinytransformer.profiling.ranges import profile_range
+from tinytransformer.training.captured_step import eager_step_before_capture
 from tinytransformer.training.step import EagerStep
 
 
@@ -168,12 +169,8 @@ class GraphedStep:
     def __call__(self, inputs, targets):
         self.calls += 1
         if self.calls <= self.warmup_steps:
-            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.side_stream):
-                self.optimizer.zero_grad(set_to_none=True)
-                loss = self._step(inputs, targets)
-            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
-            return loss
+            return eager_step_before_capture(self.side_stream, self.device, self.optimizer, self._step, inputs,
+                                             targets)
         if self.graph is None:
             self._capture(inputs, targets)   # recording does not execute: the replay below runs this step
         self.static_inputs.copy_(inputs)

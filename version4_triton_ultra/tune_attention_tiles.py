@@ -6,16 +6,14 @@
 
 kernels/flash_attention.py launches its three kernels with FIXED tiles, warps and pipeline stages
 (`_launch_config`). This script replaces one kernel's choice at a time (the other two keep theirs), times the
-pass that kernel belongs to with CUDA events (the forward: one kernel; the backward: dq then dk/dv, RoPE rotated
-back as the model's backward does), and runs the same pass on a one-sequence, two-head problem of the same length
-against attention computed in float64. A configuration is worth adopting only if it is faster AND right: the
+pass that kernel belongs to (the forward: one kernel; the backward: dq then dk/dv, RoPE rotated back as the
+model's backward does) with the kernel benchmark's median of triton.testing.do_bench, and runs the same pass on a
+one-sequence, two-head problem of the same length against attention computed in float64. A configuration is worth adopting only if it is faster AND right: the
 "error" column is the largest relative error of out (forward) or of dq, dk, dv (backward), and "WRONG" marks one
 above the tolerance the kernel tests use. Needs a GPU (version 3's tune_flash_attention.py is the same idea for its
 kernels, timed from CUDA graphs).
 """
-import argparse
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser  # noqa: E402
+from tinytransformer.kernel_bench.timing import median_ms  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
 
 enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
@@ -112,21 +111,6 @@ def relative_error(got, want):
     return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def time_us(fn, calls=10, repeats=5):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls)
-    return statistics.median(times)
-
-
 def with_tiles(kernel, tiles):
     """A stand-in for fa._launch_config: `tiles` for `kernel`, the module's own choice for the others."""
     original = fa._launch_config
@@ -142,11 +126,11 @@ def with_tiles(kernel, tiles):
 def measure(kernel, timed, checked, reference, dtype):
     """(microseconds, largest relative error) of the pass `kernel` belongs to, under the current _launch_config."""
     if kernel == "forward":
-        us = time_us(timed.forward)
+        us = 1000.0 * median_ms(timed.forward)
         out, _ = checked.forward()
         return us, relative_error(out, reference[0])
     out, lse = timed.forward()
-    us = time_us(lambda: timed.backward(out, lse))
+    us = 1000.0 * median_ms(lambda: timed.backward(out, lse))
     small_out, small_lse = checked.forward()
     grads = checked.backward(small_out, small_lse).split(checked.dim, dim=-1)
     return us, max(relative_error(g, r) for g, r in zip(grads, reference[1]))
@@ -160,7 +144,7 @@ def main(argv=None) -> int:
     checked = Problem(1, 2, args.seq_len, args.head_dim, dtype)
     reference = checked.reference()
     print(f"{torch.cuda.get_device_name()}: {args.shape}, head dim {args.head_dim}, {args.dtype}, causal; "
-          f"us per call of the pass (median of 5 x 10 calls); error against float64 (tolerance "
+          f"us per call of the pass (do_bench's median); error against float64 (tolerance "
           f"{TOLERANCE[dtype]:.0e})")
     original = fa._launch_config
     for kernel in args.kernels:

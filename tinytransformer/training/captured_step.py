@@ -57,15 +57,6 @@ class CapturedStep:
             self.optimizer.step()
         return loss.detach()
 
-    def _eager_step(self, inputs, targets):
-        # On a side stream, as graph capture requires of the work before it (PyTorch's CUDA graphs notes).
-        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.side_stream):
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = self._step(inputs, targets)
-        torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
-        return loss
-
     def _capture(self, inputs, targets):
         # The graph's input buffers keep the batch's strides (the targets are a view shifted by one token):
         # torch.compile's code guards on strides, and different ones would make it recompile during capture.
@@ -84,13 +75,26 @@ class CapturedStep:
     def __call__(self, inputs, targets):
         self.calls += 1
         if self.calls <= self.warmup_steps:
-            return self._eager_step(inputs, targets)
+            return eager_step_before_capture(self.side_stream, self.device, self.optimizer, self._step, inputs,
+                                             targets)
         if self.graph is None:
             self._capture(inputs, targets)   # recording does not run the step: the replay below does
         self.static_inputs.copy_(inputs)
         self.static_targets.copy_(targets)
         self.graph.replay()
         return self.static_loss
+
+
+def eager_step_before_capture(side_stream, device, optimizer, step, inputs, targets):
+    """One eager training step (gradients cleared, then `step(inputs, targets)`) on `side_stream`, ordered after
+    the current stream's work and before its later work: graph capture requires the work before it to run on a
+    side stream (PyTorch's CUDA graphs notes). Used by every graph-captured step (this file's, version 4's)."""
+    side_stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side_stream):
+        optimizer.zero_grad(set_to_none=True)
+        loss = step(inputs, targets)
+    torch.cuda.current_stream(device).wait_stream(side_stream)
+    return loss
 
 
 def _same_layout(tensor: torch.Tensor) -> torch.Tensor:

@@ -223,17 +223,54 @@ def test_plain_path_equals_version_3(device):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
-@pytest.mark.parametrize("kernel", ["forward", "dkdv", "dq"])
-def test_launch_choices_are_version_3s(kernel, monkeypatch):
-    """The copy keeps version 3's block sizes, warps and stages for every head dim, dtype and length (GPU
-    choices, computed with the interpreter switched off), so the two versions' attention timings compare."""
+@pytest.fixture
+def known_gpu(monkeypatch):
+    """Launch choices computed for a GPU this machine need not have (the kernel report's stand-in), with the
+    interpreter switched off; the process's own GPU again afterwards."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    yield triton_support.use_known_gpu
+    triton_support.use_known_gpu(None)
+
+
+AMPERE_99_KIB = triton_support.KnownGpu("sm_86", "nvidia", 84, 99 * 1024)
+
+
+@pytest.mark.parametrize("gpu", [triton_support.KNOWN_GPUS["gfx942"], triton_support.KNOWN_GPUS["sm_80"],
+                                 AMPERE_99_KIB], ids=lambda gpu: gpu.target)
+@pytest.mark.parametrize("kernel", ["forward", "dkdv", "dq"])
+def test_launch_choices_off_hopper_are_version_3s(kernel, gpu, known_gpu):
+    """AMD and NVIDIA GPUs with less shared memory than an H100 keep version 3's block sizes, warps and stages for
+    every head dim, dtype and length, RoPE on load or not: nothing was measured there that says otherwise."""
+    known_gpu(gpu)
+    device = torch.device("meta")
     for head_dim in fa.SUPPORTED_HEAD_DIMS:
         for dtype in fa.SUPPORTED_DTYPES:
             for seq_len in (1, 128, 512, 4096):
-                assert (fa._launch_config(head_dim, dtype, seq_len, kernel)
-                        == v3_fa._launch_config(head_dim, dtype, seq_len, kernel))
+                for rope_on_load in (False, True):
+                    assert (fa._launch_config(head_dim, dtype, seq_len, kernel, device, rope_on_load)
+                            == v3_fa._launch_config(head_dim, dtype, seq_len, kernel))
     assert fa.SUPPORTED_HEAD_DIMS == v3_fa.SUPPORTED_HEAD_DIMS
+
+
+@pytest.mark.parametrize("kernel", ["forward", "dkdv", "dq"])
+def test_hopper_pipelines_only_16_bit_heads_of_64_and_128(kernel, known_gpu):
+    """On an H100: float32 and head dims 16 and 32 (the seed size) keep version 3's choices; 16-bit head dims 64
+    and 128 get 64 x 64 tiles with pipeline stages, except the forward with RoPE on load (one stage: three
+    would not fit its shared memory at head dim 128)."""
+    known_gpu(triton_support.KNOWN_GPUS["sm_90"])
+    device = torch.device("meta")
+    for head_dim in fa.SUPPORTED_HEAD_DIMS:
+        for dtype in fa.SUPPORTED_DTYPES:
+            for rope_on_load in (False, True):
+                mine = fa._launch_config(head_dim, dtype, 1024, kernel, device, rope_on_load)
+                if dtype == torch.float32 or head_dim < 64:
+                    assert mine == v3_fa._launch_config(head_dim, dtype, 1024, kernel)
+                    continue
+                assert (mine["BLOCK_M"], mine["BLOCK_N"], mine["num_warps"]) == (64, 64, 4)
+                if kernel == "forward":
+                    assert mine["num_stages"] == (1 if rope_on_load else 3)
+    wide = {k: fa._launch_config(128, torch.bfloat16, 1024, k, device)["num_stages"] for k in ("dq", "dkdv")}
+    assert wide == {"dq": 2, "dkdv": 2}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -33,12 +33,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}   # as tests/attention_checks.py
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); for dk/dv BLOCK_N is the keys a program owns, BLOCK_M the query step.
 CANDIDATES = {
-    "forward": [(64, 32, 4, 1), (64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
-                (128, 32, 8, 2), (128, 128, 8, 2)],
-    "dq": [(32, 32, 4, 1), (64, 32, 4, 1), (64, 64, 4, 1), (64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2),
-           (128, 64, 8, 3)],
-    "dkdv": [(32, 32, 4, 1), (32, 64, 4, 1), (64, 64, 4, 1), (32, 64, 4, 2), (64, 64, 4, 2), (64, 128, 8, 2),
-             (64, 128, 8, 3)],
+    "forward": [(64, 32, 4, 1), (64, 64, 4, 1), (128, 64, 8, 1), (128, 128, 8, 1), (64, 64, 4, 2), (64, 64, 4, 3),
+                (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2), (128, 128, 8, 2)],
+    "dq": [(32, 32, 4, 1), (64, 32, 4, 1), (64, 64, 4, 1), (64, 64, 8, 1), (128, 64, 8, 1), (128, 32, 8, 1),
+           (64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3)],
+    "dkdv": [(32, 32, 4, 1), (32, 64, 4, 1), (64, 64, 4, 1), (64, 64, 8, 1), (64, 128, 8, 1), (32, 128, 8, 1),
+             (32, 64, 4, 2), (64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3)],
 }
 
 
@@ -116,10 +116,10 @@ def with_tiles(kernel, tiles):
     original = fa._launch_config
     block_m, block_n, warps, stages = tiles
 
-    def launch_config(head_dim, dtype, seq_len, name, *rest):
+    def launch_config(head_dim, dtype, seq_len, name, *rest, **options):
         if name == kernel:
             return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-        return original(head_dim, dtype, seq_len, name, *rest)
+        return original(head_dim, dtype, seq_len, name, *rest, **options)
     return launch_config
 
 

@@ -4,8 +4,10 @@ What changed from version 3 (`diff ../../version3_triton/kernels/flash_attention
 ROPE switch of every kernel (rotate q and k on load in the forward; rotate dq and dk back in the backward), the
 rotated copies the forward writes for the backward, `rope=` on the entry points, and packed_attention_forward /
 packed_attention_backward for the QKV GEMM that rotates q and k in its epilogue (qkv_rope_gemm.py, version 4's
-default). rotate_half is public: that GEMM's epilogue uses it too. The rest, and the launch choices, are
-version 3's, so that the diff shows only the RoPE.
+default). rotate_half is public: that GEMM's epilogue uses it too. And the launch choices: version 3's
+everywhere, except for 16-bit inputs at head dims 64 and 128 on Hopper-class NVIDIA GPUs, which get the
+pipelined 64 x 64 tiles measured fastest at the size presets (_launch_config). The kernels' arithmetic is
+version 3's.
 
 Attention is out = softmax(q k^T * sm_scale + causal mask) v. Written naively it builds the S x S score
 matrix for every head: at S = 4096 that is 16 M scores per head, written to memory and read back by the
@@ -68,7 +70,7 @@ import triton
 import triton.language as tl
 
 from tinytransformer.triton_support import (MAX_GRID_SECOND_AXIS, interpreter_active, interpreter_block, is_rocm,
-                                            small_interpreter_blocks)
+                                            shared_memory_per_program, small_interpreter_blocks)
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -482,20 +484,17 @@ def _flash_attention_backward_dq_kernel(
 # ----------------------------------------------------------------------------------------------------------
 # Launch choices
 # ----------------------------------------------------------------------------------------------------------
-def _launch_config(head_dim: int, dtype: torch.dtype, seq_len: int, kernel: str) -> dict:
-    """Block sizes, warps and pipeline stages for one kernel ("forward", "dkdv" or "dq"). Fixed per head dim,
-    dtype and vendor.
+def _launch_config(head_dim: int, dtype: torch.dtype, seq_len: int, kernel: str,
+                   device: torch.device | None = None, rope_on_load: bool = False) -> dict:
+    """Block sizes, warps and pipeline stages for one kernel ("forward", "dkdv" or "dq"), per head dim, dtype,
+    vendor and, on NVIDIA, the GPU's shared memory (`device`; None: the current GPU). `rope_on_load`: the forward
+    rotates q and k as it loads them (--rope-in-attention), which needs more shared memory per stage.
 
     This is where @triton.autotune would go: it would time a list of such configs per shape and keep the
-    fastest. Fixed choices keep the first call fast and the behaviour the same on every run. They come from
-    timing 60 configs per kernel (tiles 16..128, 2/4/8 warps, 1/2 stages) on an H100 at head dim 32,
-    S = 128..1024, float32 and bfloat16, with version 3's tune_flash_attention.py (which then timed these kernels,
-    RoPE on load included): 64 x 64 tiles, 4 warps, 1 stage was the fastest or within 7% of it in bfloat16 for
-    every kernel and shape, and up to 1.4x faster than the 2-stage, 128-row forward used before. In float32 some
-    kernels prefer other tiles (the forward 128 x 64 with 8 warps, up to 10% faster from S = 256; dq 64 x 32, up
-    to 18% faster from S = 512): one choice for all keeps this readable. After the dq kernel took over computing
-    delta (it now also reads O), a --quick re-run of the dq sweep kept 64 x 64, 4 warps, 1 stage the fastest of
-    its 12 configs at S = 128 and 512 in both dtypes. On another GPU, run the tuner and compare.
+    fastest. Fixed choices keep the first call fast and the behaviour the same on every run. Version 3's rule
+    (_portable_launch_config) is the default; on Hopper-class NVIDIA GPUs, 16-bit inputs with head dims of 64
+    and 128 (the size presets' shapes) get the pipelined tiles that tune_attention_tiles.py found fastest there
+    (_hopper_launch_config).
     """
     if interpreter_active():
         if small_interpreter_blocks():
@@ -507,6 +506,22 @@ def _launch_config(head_dim: int, dtype: torch.dtype, seq_len: int, kernel: str)
         # of queries and one of keys cover a sequence of up to 128 (fewer programs, one pass of each loop).
         block = interpreter_block(seq_len, 16, 128)
         return dict(BLOCK_M=block, BLOCK_N=block, num_warps=1, num_stages=1)
+    if _hopper_tiles_apply(head_dim, dtype, device):
+        return _hopper_launch_config(head_dim, kernel, rope_on_load)
+    return _portable_launch_config(head_dim, dtype, kernel)
+
+
+def _portable_launch_config(head_dim: int, dtype: torch.dtype, kernel: str) -> dict:
+    """Version 3's choices, for every GPU. They come from timing 60 configs per kernel (tiles 16..128, 2/4/8
+    warps, 1/2 stages) on an H100 at head dim 32, S = 128..1024, float32 and bfloat16, with version 3's
+    tune_flash_attention.py (which then timed these kernels, RoPE on load included): 64 x 64 tiles, 4 warps,
+    1 stage was the fastest or within 7% of it in bfloat16 for every kernel and shape, and up to 1.4x faster
+    than the 2-stage, 128-row forward used before. In float32 some kernels prefer other tiles (the forward
+    128 x 64 with 8 warps, up to 10% faster from S = 256; dq 64 x 32, up to 18% faster from S = 512): one choice
+    for all keeps this readable. After the dq kernel took over computing delta (it now also reads O), a --quick
+    re-run of the dq sweep kept 64 x 64, 4 warps, 1 stage the fastest of its 12 configs at S = 128 and 512 in
+    both dtypes.
+    """
     # A row of Dh elements of >= 256 bytes (float32 with Dh >= 64, 16-bit with Dh = 128): smaller tiles, so the
     # float32 accumulators fit in registers and the k/v tiles in shared memory (64 KiB of LDS on MI300).
     wide_rows = head_dim * dtype.itemsize >= 256
@@ -519,6 +534,41 @@ def _launch_config(head_dim: int, dtype: torch.dtype, seq_len: int, kernel: str)
     # One stage: the loops are short (S / 64 iterations at most) and every extra stage costs shared memory
     # and a longer prologue; AMD's Triton pipelines loads with num_stages=1 anyway ("stream pipeliner").
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1)
+
+
+# The H100 offers 227 KiB of shared memory to one program, the A100 163 KiB and many Ampere and Ada cards
+# 99 KiB. The pipelined tiles below were measured on the H100 only, and each stage holds one more tile of k and
+# v (or q and dO) in shared memory: other GPUs keep the portable rule.
+HOPPER_CLASS_SHARED_MEMORY = 200 * 1024
+
+
+def _hopper_tiles_apply(head_dim: int, dtype: torch.dtype, device: torch.device | None) -> bool:
+    """True for float16/bfloat16 at head dim 64 or 128 on an NVIDIA GPU with Hopper's shared memory."""
+    if is_rocm() or dtype == torch.float32 or head_dim < 64:
+        return False
+    return shared_memory_per_program(device or torch.device("cuda")) >= HOPPER_CLASS_SHARED_MEMORY
+
+
+def _hopper_launch_config(head_dim: int, kernel: str, rope_on_load: bool) -> dict:
+    """64 x 64 tiles and 4 warps for all three kernels, with the pipeline stages (num_stages: how many tiles of
+    k and v, or of q and dO, are being loaded while the current one is used) that were fastest per kernel.
+
+    Measured on an H100 with tune_attention_tiles.py, bfloat16 and float16, causal, each kernel alone against
+    the portable tiles (benchmarks/results/kernel_time/h100_attention_tiles_by_shape.json; us per pass):
+      head dim 128 (large, 8 x 16 x 1024): forward 167 -> 120 (3 stages), backward 992 -> 743 with dq at
+        2 stages and 992 -> 713 with dk/dv at 2 stages (the portable 32 x 32 tiles leave the tensor cores idle);
+      head dim 64 (medium, 16 x 16 x 512): forward 64 -> 53 (3 stages), dq 170 -> 167 (2 stages); dk/dv keeps
+        one stage (2 stages: 275 us against 171).
+    The forward with RoPE on load buffers the rotated half and the cos and sin tiles of every key block too:
+    3 stages would need 272 KiB at head dim 128, so it keeps one stage.
+    """
+    if kernel == "forward":
+        stages = 1 if rope_on_load else 3
+    elif kernel == "dq":
+        stages = 2
+    else:
+        stages = 2 if head_dim == 128 else 1
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=stages)
 
 
 def _dot_precision(dtype: torch.dtype, precise_fp32: bool) -> str:
@@ -646,7 +696,7 @@ def _run_forward(problem: _Problem, q, k, v, out, cos, sin, rotated=None) -> tor
         raise ValueError("_run_forward with RoPE needs rotated=(q_rot, k_rot, v_copy or None) to write into")
     lse = _new_buffer((problem.batch * problem.heads, problem.seq_len), torch.float32, q.device)
     q_rot, k_rot, v_copy = rotated if rope else (q, q, None)   # placeholders: never touched without RoPE
-    config = _launch_config(problem.head_dim, q.dtype, problem.seq_len, "forward")
+    config = _launch_config(problem.head_dim, q.dtype, problem.seq_len, "forward", q.device, rope)
     grid = (triton.cdiv(problem.seq_len, config["BLOCK_M"]), problem.batch * problem.heads)
     _flash_attention_forward_kernel[grid](
         q, k, v, out, lse,
@@ -689,11 +739,11 @@ def _launch_backward(problem: _Problem, q, k, v, out, lse, cos, sin, grad_out, d
     delta = _new_buffer((batch_heads, seq_len), torch.float32, q.device)
     common = dict(HEAD_DIM=problem.head_dim, CAUSAL=problem.causal, ROPE=rope, DOT_PRECISION=problem.precision)
     cos_arg, sin_arg = (cos, sin) if rope else (q, q)
-    config = _launch_config(problem.head_dim, q.dtype, seq_len, "dq")
+    config = _launch_config(problem.head_dim, q.dtype, seq_len, "dq", q.device)
     _flash_attention_backward_dq_kernel[(triton.cdiv(seq_len, config["BLOCK_M"]), batch_heads)](
         q, k, v, out, grad_out, lse, delta, dq, cos_arg, sin_arg, *problem.scalar_args(), **common, **config,
     )
-    config = _launch_config(problem.head_dim, q.dtype, seq_len, "dkdv")
+    config = _launch_config(problem.head_dim, q.dtype, seq_len, "dkdv", q.device)
     _flash_attention_backward_dkdv_kernel[(triton.cdiv(seq_len, config["BLOCK_N"]), batch_heads)](
         q, k, v, grad_out, lse, delta, dk, dv, cos_arg, sin_arg, *problem.scalar_args(), **common, **config,
     )

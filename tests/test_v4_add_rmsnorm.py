@@ -127,6 +127,22 @@ def test_add_rms_norm_weight_grad_is_deterministic(device):
     assert torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=["next tile prefetched", "one tile at a time"])
+def test_both_backward_loops_match_float64_and_each_other(prefetch, monkeypatch, device,
+                                                          small_interpreter_blocks):
+    """The backward kernel's two loops (see PREFETCH_FROM_FEATURES) compute the same values in the same order:
+    each matches float64, through the residual add and through the embedding's scatter, and their gradients are
+    equal bit for bit. 29 rows in the small blocks of the interpreter: 4 programs of two 4-row tiles each, the
+    last one partial."""
+    results = {}
+    for setting in (prefetch, not prefetch):
+        monkeypatch.setattr(arn, "PREFETCH_FROM_FEATURES", 0 if setting else 10**9)
+        new_residual, residual = check_add_rms_norm((29, 96), torch.float32, device, seed=5)
+        check_embedding_rms_norm((1, 29), 7, 48, device, seed=6)
+        results[setting] = residual.grad
+    assert torch.equal(results[True], results[False])
+
+
 @pytest.mark.parametrize("group_size, one_group_up_to, d", [(10**6, 10**6, 96), (2, 0, 96), (3, 0, 96),
                                                           (3, 0, 1500)],
                          ids=["one group", "two levels, even groups", "two levels, short last group",

@@ -57,6 +57,12 @@ MAX_FEATURES = 8192
 GROUP_SIZE = 32
 # Up to this many programs (short batches), one group: its last program adds all the partial sums itself.
 ONE_GROUP_UP_TO = 64
+# The backward kernel loads its next tile of rows before it computes the current one (see its loop) for rows of at
+# least this many features (counted as the power-of-two block that holds a row). Timed on an H100 at 8,192 rows,
+# bfloat16 gradients, the two loops interleaved (benchmarks/results/kernel_time/h100_norm_backward_prefetch.json):
+# 69.8 -> 66.9 us at 1,024 features, 146.3 -> 136.8 us at 2,048, but 134.8 -> 137.5 us at 512, so narrower rows
+# keep one tile at a time. Tests move the threshold to run both loops.
+PREFETCH_FROM_FEATURES = 1024
 # Ticket counters allocated per device: one per group and one for the groups. Programs are a few per SM, so
 # groups are far fewer than this on any GPU.
 MAX_TICKETS = 1024
@@ -131,6 +137,7 @@ def _add_rms_norm_backward_kernel(
     L2_LOAD: tl.constexpr,                    # ".cg" on NVIDIA (bypass L1); "" on AMD, whose acquire invalidates
     BLOCK_D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,                 # rows handled together: a [BLOCK_ROWS, BLOCK_D] tile per iteration
+    PREFETCH: tl.constexpr,                   # load the next tile before computing this one (see the loop)
 ):
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -144,36 +151,30 @@ def _add_rms_norm_backward_kernel(
     last_row = tl.minimum(first_row + rows_per_program, n_rows)
     # A tile of rows per iteration rather than one row: many independent loads in flight per program. One row
     # at a time left the GPU waiting on memory latency: ~90 us per call at 16384 x 256 on an H100.
-    for block_start in range(first_row, last_row, BLOCK_ROWS):
-        rows = block_start + tl.arange(0, BLOCK_ROWS)
-        row_mask = rows < last_row
-        mask = row_mask[:, None] & col_mask[None, :]
-        offsets = rows[:, None] * n_features + cols[None, :]
-        if SCATTER:
-            ids = tl.load(ids_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-            mask = mask & ((ids >= 0) & (ids < n_table_rows))[:, None]   # a bad id: its rows add nothing
-            h_offsets = ids[:, None] * n_features + cols[None, :]
-        else:
-            h_offsets = offsets
-        h = tl.load(h_ptr + h_offsets, mask=mask, other=0.0).to(tl.float32)
-        grad_normed = tl.load(grad_normed_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-
-        x_hat = h * rstd[:, None]
-        g = grad_normed * weight[None, :]
-        # mean(g * x_hat) couples every feature of a row: this is why a program owns whole rows.
-        grad_h = rstd[:, None] * (g - x_hat * (tl.sum(g * x_hat, axis=1) / n_features)[:, None])
-        if HAS_RESIDUAL_GRAD:
-            grad_h += tl.load(grad_new_residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        if SCATTER:
-            # The embedding's backward, here instead of in a kernel of its own that would read grad_h back.
-            # "relaxed": the additions need to be atomic, not ordered with respect to other memory accesses.
-            tl.atomic_add(grad_h_ptr + h_offsets, grad_h, mask=mask, sem="relaxed")
-        else:
-            tl.store(grad_h_ptr + offsets, grad_h.to(grad_h_ptr.dtype.element_ty), mask=mask)
-        if WRITE_COPY:  # saves a separate cast kernel (one per norm and step) for a 16-bit sub-layer output
-            tl.store(grad_h_copy_ptr + offsets, grad_h.to(grad_h_copy_ptr.dtype.element_ty), mask=mask)
-        grad_weight_acc += grad_normed * x_hat   # masked rows loaded zeros: they add nothing
+    if PREFETCH:
+        # The next tile's loads are issued before this tile's arithmetic and stores, so they are in flight
+        # while it computes: without this, each iteration waits a whole memory latency before it can start
+        # (the compiler pipelines the loads that feed tl.dot, not these). The last prefetch lies past
+        # last_row: fully masked, it reads nothing.
+        h, grad_normed, grad_res, rstd, mask, offsets, h_offsets = _load_backward_tile(
+            h_ptr, grad_normed_ptr, grad_new_residual_ptr, rstd_ptr, ids_ptr, first_row, last_row, n_features,
+            n_table_rows, cols, col_mask, HAS_RESIDUAL_GRAD, SCATTER, BLOCK_ROWS)
+        for block_start in range(first_row, last_row, BLOCK_ROWS):
+            next_tile = _load_backward_tile(
+                h_ptr, grad_normed_ptr, grad_new_residual_ptr, rstd_ptr, ids_ptr, block_start + BLOCK_ROWS,
+                last_row, n_features, n_table_rows, cols, col_mask, HAS_RESIDUAL_GRAD, SCATTER, BLOCK_ROWS)
+            grad_weight_acc = _backward_of_tile(
+                h, grad_normed, grad_res, rstd, weight, mask, offsets, h_offsets, grad_h_ptr, grad_h_copy_ptr,
+                grad_weight_acc, n_features, HAS_RESIDUAL_GRAD, WRITE_COPY, SCATTER)
+            h, grad_normed, grad_res, rstd, mask, offsets, h_offsets = next_tile
+    else:
+        for block_start in range(first_row, last_row, BLOCK_ROWS):
+            h, grad_normed, grad_res, rstd, mask, offsets, h_offsets = _load_backward_tile(
+                h_ptr, grad_normed_ptr, grad_new_residual_ptr, rstd_ptr, ids_ptr, block_start, last_row,
+                n_features, n_table_rows, cols, col_mask, HAS_RESIDUAL_GRAD, SCATTER, BLOCK_ROWS)
+            grad_weight_acc = _backward_of_tile(
+                h, grad_normed, grad_res, rstd, weight, mask, offsets, h_offsets, grad_h_ptr, grad_h_copy_ptr,
+                grad_weight_acc, n_features, HAS_RESIDUAL_GRAD, WRITE_COPY, SCATTER)
 
     # Stored transposed, [D, programs]: a summing program then reads contiguous memory per feature.
     tl.store(partial_grad_weight_ptr + cols * n_programs + program, tl.sum(grad_weight_acc, axis=0), mask=col_mask)
@@ -193,6 +194,58 @@ def _add_rms_norm_backward_kernel(
         else:
             _sum_columns(partial_grad_weight_ptr, n_programs, 0, n_programs, grad_weight_ptr, 1, n_features,
                          BLOCK_D, BLOCK_P, L2_LOAD)
+
+
+@triton.jit
+def _load_backward_tile(h_ptr, grad_normed_ptr, grad_new_residual_ptr, rstd_ptr, ids_ptr, block_start, last_row,
+                        n_features, n_table_rows, cols, col_mask, HAS_RESIDUAL_GRAD: tl.constexpr,
+                        SCATTER: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """The backward kernel's inputs for rows [block_start, block_start + BLOCK_ROWS) that lie before last_row,
+    as loaded (h, grad_normed, grad_new_residual (grad_normed again without one), rstd), with the tile's mask,
+    its offsets and those of its h rows (the table rows ids[r] with SCATTER)."""
+    rows = block_start + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < last_row
+    mask = row_mask[:, None] & col_mask[None, :]
+    offsets = rows[:, None] * n_features + cols[None, :]
+    if SCATTER:
+        ids = tl.load(ids_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        mask = mask & ((ids >= 0) & (ids < n_table_rows))[:, None]   # a bad id: its rows add nothing
+        h_offsets = ids[:, None] * n_features + cols[None, :]
+    else:
+        h_offsets = offsets
+    h = tl.load(h_ptr + h_offsets, mask=mask, other=0.0)
+    grad_normed = tl.load(grad_normed_ptr + offsets, mask=mask, other=0.0)
+    if HAS_RESIDUAL_GRAD:
+        grad_res = tl.load(grad_new_residual_ptr + offsets, mask=mask, other=0.0)
+    else:
+        grad_res = grad_normed   # never read
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+    return h, grad_normed, grad_res, rstd, mask, offsets, h_offsets
+
+
+@triton.jit
+def _backward_of_tile(h, grad_normed, grad_res, rstd, weight, mask, offsets, h_offsets, grad_h_ptr,
+                      grad_h_copy_ptr, grad_weight_acc, n_features, HAS_RESIDUAL_GRAD: tl.constexpr,
+                      WRITE_COPY: tl.constexpr, SCATTER: tl.constexpr):
+    """grad_h of one loaded tile, stored (or added into the table's gradient with SCATTER); returns the
+    program's running sum of grad_normed * x_hat with this tile's rows added."""
+    h = h.to(tl.float32)
+    grad_normed = grad_normed.to(tl.float32)
+    x_hat = h * rstd[:, None]
+    g = grad_normed * weight[None, :]
+    # mean(g * x_hat) couples every feature of a row: this is why a program owns whole rows.
+    grad_h = rstd[:, None] * (g - x_hat * (tl.sum(g * x_hat, axis=1) / n_features)[:, None])
+    if HAS_RESIDUAL_GRAD:
+        grad_h += grad_res.to(tl.float32)
+    if SCATTER:
+        # The embedding's backward, here instead of in a kernel of its own that would read grad_h back.
+        # "relaxed": the additions need to be atomic, not ordered with respect to other memory accesses.
+        tl.atomic_add(grad_h_ptr + h_offsets, grad_h, mask=mask, sem="relaxed")
+    else:
+        tl.store(grad_h_ptr + offsets, grad_h.to(grad_h_ptr.dtype.element_ty), mask=mask)
+    if WRITE_COPY:  # saves a separate cast kernel (one per norm and step) for a 16-bit sub-layer output
+        tl.store(grad_h_copy_ptr + offsets, grad_h.to(grad_h_copy_ptr.dtype.element_ty), mask=mask)
+    return grad_weight_acc + grad_normed * x_hat   # masked rows loaded zeros: they add nothing
 
 
 @triton.jit
@@ -424,7 +477,7 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
         # About 4096 float32 values per load, so that a summing program keeps its block in registers.
         BLOCK_P=min(triton.next_power_of_2(largest_sum), max(1, 4096 // block_d)),
         L2_LOAD="" if is_rocm() else ".cg",
-        BLOCK_D=block_d, BLOCK_ROWS=block_rows,
+        BLOCK_D=block_d, BLOCK_ROWS=block_rows, PREFETCH=block_d >= PREFETCH_FROM_FEATURES,
         num_warps=num_warps)
     return grad_h, grad_h_copy, grad_weight
 

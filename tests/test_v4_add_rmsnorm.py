@@ -127,20 +127,36 @@ def test_add_rms_norm_weight_grad_is_deterministic(device):
     assert torch.equal(grads[0], grads[1])
 
 
-@pytest.mark.parametrize("prefetch", [True, False], ids=["next tile prefetched", "one tile at a time"])
-def test_both_backward_loops_match_float64_and_each_other(prefetch, monkeypatch, device,
-                                                          small_interpreter_blocks):
+def mixed_dtype_backward(device, seed):
+    """A float32 stream plus a bfloat16 sub-layer output (AMP's case: the kernel also writes grad_h's 16-bit copy),
+    checked against float64; returns the gradients of residual, delta and weight."""
+    shape = (29, 96)
+    residual = leaf(random(shape, torch.float32, device, seed))
+    delta = leaf(random(shape, torch.bfloat16, device, seed + 1))
+    weight = leaf(random((96,), torch.float32, device, seed + 2, scale=0.1) + 1.0)
+    grad_new_residual = random(shape, torch.float32, device, seed + 3)
+    grad_normed = random(shape, torch.float32, device, seed + 4)
+    torch.autograd.backward(arn.add_rms_norm(residual, delta, weight, EPS), [grad_new_residual, grad_normed])
+    inputs64 = [as_float64_leaf(t) for t in (residual, delta, weight)]
+    torch.autograd.backward(reference_add_rms_norm(*inputs64), [grad_new_residual.double(), grad_normed.double()])
+    assert_matches(residual.grad, inputs64[0].grad, torch.float32, "grad residual")
+    assert_matches(delta.grad, inputs64[1].grad, torch.bfloat16, "grad delta")
+    assert_matches(weight.grad, inputs64[2].grad, torch.float32, "grad weight")
+    return residual.grad, delta.grad, weight.grad
+
+
+def test_both_backward_loops_match_float64_and_each_other(monkeypatch, device, small_interpreter_blocks):
     """The backward kernel's two loops (see PREFETCH_FROM_FEATURES) compute the same values in the same order:
-    each matches float64, through the residual add and through the embedding's scatter, and their gradients are
-    equal bit for bit. 29 rows in the small blocks of the interpreter: 4 programs of two 4-row tiles each, the
-    last one partial."""
-    results = {}
-    for setting in (prefetch, not prefetch):
-        monkeypatch.setattr(arn, "PREFETCH_FROM_FEATURES", 0 if setting else 10**9)
-        new_residual, residual = check_add_rms_norm((29, 96), torch.float32, device, seed=5)
+    each matches float64, through the residual add (with and without the 16-bit copy of grad_h) and through the
+    embedding's scatter, and the gradients of residual, delta and weight are equal bit for bit. 29 rows in the
+    small blocks of the interpreter: 4 programs of two 4-row tiles each, the last one partial."""
+    gradients = {}
+    for prefetch in (True, False):
+        monkeypatch.setattr(arn, "PREFETCH_FROM_FEATURES", 0 if prefetch else 10**9)
+        check_add_rms_norm((29, 96), torch.float32, device, seed=5)
         check_embedding_rms_norm((1, 29), 7, 48, device, seed=6)
-        results[setting] = residual.grad
-    assert torch.equal(results[True], results[False])
+        gradients[prefetch] = mixed_dtype_backward(device, seed=7)
+    assert all(torch.equal(a, b) for a, b in zip(gradients[True], gradients[False]))
 
 
 @pytest.mark.parametrize("group_size, one_group_up_to, d", [(10**6, 10**6, 96), (2, 0, 96), (3, 0, 96),

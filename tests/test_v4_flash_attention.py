@@ -291,8 +291,30 @@ def test_the_tile_tuners_check_passes_the_kernels_and_catches_a_wrong_answer(dev
     assert tune.relative_error(out * 1.01, want_out) > 100 * tolerance   # a 1% error is caught
 
 
+@pytest.fixture
+def tune_module():
+    """tune_attention_tiles, imported before a test switches the interpreter off (its import checks for a GPU)."""
+    from version4_triton_ultra import tune_attention_tiles
+    return tune_attention_tiles
+
+
+def test_the_tile_tuner_pins_the_other_kernels(tune_module, known_gpu):
+    """--others portable: the kernel being tuned gets the candidate, the others version 3's tiles, also where this
+    GPU's rule would give them Hopper's."""
+    tune = tune_module
+    known_gpu(triton_support.KNOWN_GPUS["sm_90"])
+    device = torch.device("meta")
+    for others, want in ((tune.portable_launch_config, v3_fa._launch_config(128, torch.bfloat16, 1024, "dkdv")),
+                         (fa._launch_config, fa._launch_config(128, torch.bfloat16, 1024, "dkdv", device))):
+        launch_config = tune.with_tiles("dq", (128, 32, 8, 3), others)
+        assert launch_config(128, torch.bfloat16, 1024, "dq", device) == dict(BLOCK_M=128, BLOCK_N=32, num_warps=8,
+                                                                              num_stages=3)
+        assert launch_config(128, torch.bfloat16, 1024, "dkdv", device) == want
+    assert want != v3_fa._launch_config(128, torch.bfloat16, 1024, "dkdv")   # the two rules differ here
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("flags", [[], ["--shape", "8x16"], ["--kernels", "fwd"]])
+@pytest.mark.parametrize("flags", [[], ["--shape", "8x16"], ["--kernels", "fwd"], ["--others", "v3"]])
 def test_the_tile_tuner_needs_a_gpu_and_good_flags(flags):
     import subprocess
     import sys

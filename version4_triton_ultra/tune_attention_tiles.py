@@ -3,14 +3,18 @@
     python tune_attention_tiles.py                                     (the large preset's: 8 x 16 x 1024, Dh 128)
     python tune_attention_tiles.py --shape 16x16x512 --head-dim 64     (the medium preset's)
     python tune_attention_tiles.py --kernels dq,dkdv --dtype float16
+    python tune_attention_tiles.py --others portable                   (the other kernels on version 3's tiles)
 
 kernels/flash_attention.py launches its three kernels with FIXED tiles, warps and pipeline stages
 (`_launch_config`). This script replaces one kernel's choice at a time (the other two keep theirs), times the
 pass that kernel belongs to (the forward: one kernel; the backward: dq then dk/dv, RoPE rotated back as the
 model's backward does) with the kernel benchmark's median of triton.testing.do_bench, and runs the same pass on a
-one-sequence, two-head problem of the same length against attention computed in float64. A configuration is worth adopting only if it is faster AND right: the
-"error" column is the largest relative error of out (forward) or of dq, dk, dv (backward), and "WRONG" marks one
-above the tolerance the kernel tests use. Needs a GPU (version 3's tune_flash_attention.py is the same idea for its
+one-sequence, two-head problem of the same length against attention computed in float64. A configuration is worth
+adopting only if it is faster AND right: the "error" column is the largest relative error of out (forward) or of
+dq, dk, dv (backward), and "WRONG" marks one above the tolerance the kernel tests use. The first row of each
+kernel is the tiles it runs with now. --others says what the kernels not being tuned run with: `current` (the
+module's rule on this GPU) or `portable` (version 3's rule, as they ran when the Hopper tiles were chosen:
+benchmarks/results/kernel_time/h100_attention_tiles_by_shape.json). Needs a GPU (version 3's tune_flash_attention.py is the same idea for its
 kernels, timed from CUDA graphs).
 """
 import math
@@ -48,6 +52,8 @@ def parse_args(argv):
     parser.add_argument("--head-dim", type=int, choices=fa.SUPPORTED_HEAD_DIMS, default=128)
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--kernels", default="forward,dq,dkdv", help="comma-separated, from forward,dq,dkdv [all]")
+    parser.add_argument("--others", choices=["current", "portable"], default="current",
+                        help="tiles of the kernels not being tuned: this GPU's rule, or version 3's [current]")
     args = parser.parse_args(argv)
     parts = args.shape.lower().split("x")
     if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
@@ -111,15 +117,19 @@ def relative_error(got, want):
     return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def with_tiles(kernel, tiles):
-    """A stand-in for fa._launch_config: `tiles` for `kernel`, the module's own choice for the others."""
-    original = fa._launch_config
+def portable_launch_config(head_dim, dtype, seq_len, name, *rest, **options):
+    """fa._launch_config's signature, version 3's choice on every GPU."""
+    return fa._portable_launch_config(head_dim, dtype, name)
+
+
+def with_tiles(kernel, tiles, others):
+    """A stand-in for fa._launch_config: `tiles` for `kernel`, the launch rule `others` for the other kernels."""
     block_m, block_n, warps, stages = tiles
 
     def launch_config(head_dim, dtype, seq_len, name, *rest, **options):
         if name == kernel:
             return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-        return original(head_dim, dtype, seq_len, name, *rest, **options)
+        return others(head_dim, dtype, seq_len, name, *rest, **options)
     return launch_config
 
 
@@ -147,11 +157,13 @@ def main(argv=None) -> int:
           f"us per call of the pass (do_bench's median); error against float64 (tolerance "
           f"{TOLERANCE[dtype]:.0e})")
     original = fa._launch_config
+    others = portable_launch_config if args.others == "portable" else original
+    print(f"the kernels not being tuned run with the {args.others} tiles")
     for kernel in args.kernels:
         current = original(args.head_dim, dtype, args.seq_len, kernel)
         current_tiles = (current["BLOCK_M"], current["BLOCK_N"], current["num_warps"], current["num_stages"])
         for tiles in [current_tiles] + [t for t in CANDIDATES[kernel] if t != current_tiles]:
-            fa._launch_config = with_tiles(kernel, tiles)
+            fa._launch_config = with_tiles(kernel, tiles, others)
             try:
                 us, error = measure(kernel, timed, checked, reference, dtype)
                 verdict = "ok" if error < TOLERANCE[dtype] else "WRONG"

@@ -61,8 +61,15 @@ ONE_GROUP_UP_TO = 64
 # least this many features (counted as the power-of-two block that holds a row). Timed on an H100 at 8,192 rows,
 # bfloat16 gradients, the two loops interleaved (benchmarks/results/kernel_time/h100_norm_backward_prefetch.json):
 # 69.8 -> 66.9 us at 1,024 features, 146.3 -> 136.8 us at 2,048, but 134.8 -> 137.5 us at 512, so narrower rows
-# keep one tile at a time. Tests move the threshold to run both loops.
+# keep one tile at a time. NVIDIA only: nothing was timed on AMD, and there the tile in flight costs occupancy
+# (compiled for gfx942 at 2,048 features by the kernel report's compiler: 140 -> 192 VGPRs, 3 -> 2 waves per SIMD,
+# and 8 SGPRs spilled with the embedding's scatter). Tests move the threshold to run both loops.
 PREFETCH_FROM_FEATURES = 1024
+
+
+def _prefetches(block_d: int) -> bool:
+    """Whether the backward kernel loads its next tile early for rows of block_d features (see above)."""
+    return not is_rocm() and block_d >= PREFETCH_FROM_FEATURES
 # Ticket counters allocated per device: one per group and one for the groups. Programs are a few per SM, so
 # groups are far fewer than this on any GPU.
 MAX_TICKETS = 1024
@@ -477,7 +484,7 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
         # About 4096 float32 values per load, so that a summing program keeps its block in registers.
         BLOCK_P=min(triton.next_power_of_2(largest_sum), max(1, 4096 // block_d)),
         L2_LOAD="" if is_rocm() else ".cg",
-        BLOCK_D=block_d, BLOCK_ROWS=block_rows, PREFETCH=block_d >= PREFETCH_FROM_FEATURES,
+        BLOCK_D=block_d, BLOCK_ROWS=block_rows, PREFETCH=_prefetches(block_d),
         num_warps=num_warps)
     return grad_h, grad_h_copy, grad_weight
 

@@ -537,8 +537,9 @@ def _portable_launch_config(head_dim: int, dtype: torch.dtype, kernel: str) -> d
 
 
 # The H100 offers 227 KiB of shared memory to one program, the A100 163 KiB and many Ampere and Ada cards
-# 99 KiB. The pipelined tiles below were measured on the H100 only, and each stage holds one more tile of k and
-# v (or q and dO) in shared memory: other GPUs keep the portable rule.
+# 99 KiB. Each pipeline stage holds one more tile of k and v (or q and dO) in shared memory, so GPUs with less
+# keep the portable rule. The pipelined tiles were measured on the H100 only: an NVIDIA GPU with as much shared
+# memory but another architecture (a B200, say) gets them too, untimed; run tune_attention_tiles.py there.
 HOPPER_CLASS_SHARED_MEMORY = 200 * 1024
 
 
@@ -556,7 +557,8 @@ def _hopper_launch_config(head_dim: int, kernel: str, rope_on_load: bool) -> dic
     Measured on an H100 with tune_attention_tiles.py, bfloat16 and float16, causal, each kernel alone against
     the portable tiles (benchmarks/results/kernel_time/h100_attention_tiles_by_shape.json; us per pass):
       head dim 128 (large, 8 x 16 x 1024): forward 167 -> 120 (3 stages), backward 992 -> 743 with dq at
-        2 stages and 992 -> 713 with dk/dv at 2 stages (the portable 32 x 32 tiles leave the tensor cores idle);
+        2 stages and 993 -> 713 with dk/dv at 2 stages (from version 3's 32 x 32 tiles, sized for AMD's LDS);
+        with both backward kernels on these tiles the pass takes 458 us;
       head dim 64 (medium, 16 x 16 x 512): forward 64 -> 53 (3 stages), dq 170 -> 167 (2 stages); dk/dv keeps
         one stage (2 stages: 275 us against 171).
     The forward with RoPE on load buffers the rotated half and the cos and sin tiles of every key block too:

@@ -78,6 +78,49 @@ def test_every_kernel_compiles_for_mi300_and_h100(tmp_path):
     assert "_flash_attention_backward_dkdv_kernel" in result.stdout
 
 
+# ------------------------------------------------------------------ the 16-bit attention tiles (attention_tiles.py)
+def run_attention_tiles(*flags, code=None):
+    """python -m benchmarks.kernel_report.attention_tiles FLAGS, or `code` run the same way (a process of its own,
+    interpreter off)."""
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = ["-c", code] if code else ["-m", "benchmarks.kernel_report.attention_tiles", *flags]
+    return subprocess.run([sys.executable, *command], cwd=REPO, env=environment, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_16_bit_attention_tiles_fit_the_h100_and_the_mi300():
+    """The tiles version 4's attention picks for bfloat16 at head dims 64 and 128 compile and fit: on sm_90 the
+    pipelined Hopper tiles (3 stages in the forward without RoPE on load), on gfx942 version 3's."""
+    result = run_attention_tiles("--targets", "sm_90,gfx942")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "16 of 16 launch configurations compile and fit" in result.stdout
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("sm_90") and "Dh 128" in line and "no RoPE" in line and "64x64 w4 s3" in line
+               for line in lines)
+    assert not any(line.startswith("gfx942") and " s3 " in line for line in lines)
+
+
+def test_attention_tiles_catch_a_forward_that_does_not_fit():
+    """Three stages for the forward with RoPE on load at head dim 128 ask for more shared memory than an H100 has
+    (the GPU refused that launch, which is why that forward keeps one stage): the check says so and fails."""
+    code = ("import sys\n"
+            "from benchmarks.kernel_report import attention_tiles, discovery\n"
+            "discovery.import_versions()\n"
+            "from version4_triton_ultra.kernels import flash_attention as fa\n"
+            "fa._hopper_launch_config = lambda head_dim, kernel, rope_on_load: "
+            "dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)\n"
+            "sys.exit(attention_tiles.main(['--targets', 'sm_90']))\n")
+    result = run_attention_tiles(code=code)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    too_big = [line for line in result.stdout.splitlines() if "does not fit" in line]
+    assert len(too_big) == 1 and "Dh 128" in too_big[0] and "RoPE on load" in too_big[0]
+
+
+def test_attention_tiles_refuse_an_unknown_target():
+    result = run_attention_tiles("--targets", "sm_99")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "--targets" in result.stderr
+
+
 @pytest.mark.slow
 def test_full_matrix_compiles_and_fits(tmp_path):
     """Every kernel, every launch configuration of every preset, on all four targets."""

@@ -5,16 +5,17 @@ below is the spec's make_step hook, as the other step strategies are reached thr
 import torch
 
 from tinytransformer.profiling.ranges import profile_range
-from tinytransformer.training.captured_step import eager_step_before_capture
+from tinytransformer.training.captured_step import GraphReplayedStep, captures_step
 from tinytransformer.training.step import EagerStep
 
 
 def uses_graph(args, device) -> bool:
-    # GradScaler (float16 AMP) makes host-side decisions every step, which a replayed graph cannot.
-    return device.type == "cuda" and args.cuda_graph and not (args.use_amp and args.amp_dtype == "float16")
+    """The same rule as version 2's --cuda-graph: on a GPU, unless float16 AMP's GradScaler makes host-side
+    decisions every step, which a replayed graph cannot."""
+    return captures_step(args, device)
 
 
-class GraphedStep:
+class GraphedStep(GraphReplayedStep):
     """forward + backward + optimizer captured once in a CUDA/HIP graph, then replayed every step.
 
     The first `warmup_steps` steps run eagerly on a side stream: they are real training steps (their losses
@@ -47,17 +48,11 @@ class GraphedStep:
     before the capture (check_arguments requires --graph-warmup-steps >= 1).
     """
 
-    supports_breakdown = False
-
     def __init__(self, model, optimizer, device, train, warmup_steps: int = 3, weight_gradient_stream=True,
                  gradient_sync=None):
-        self.model, self.optimizer, self.device = model, optimizer, device
+        super().__init__(model, optimizer, device, train, warmup_steps)
         self.gradient_sync = gradient_sync
         model.use_weight_gradient_stream(weight_gradient_stream)
-        self.autocast_dtype = getattr(torch, train.amp_dtype) if train.use_amp else None
-        self.warmup_steps, self.calls = warmup_steps, 0
-        self.graph = None
-        self.side_stream = torch.cuda.Stream(device)
         # Layer k -> the index of the optimizer group holding its weights (TritonAdamW from configure_optimizer).
         # Updating during the backward pass needs the second stream, where a layer's weight gradients are known
         # to be queued when the backward pass leaves the layer (autograd accumulates its own when it sees fit).
@@ -165,18 +160,6 @@ class GraphedStep:
             self.static_loss = self._step(self.static_inputs, self.static_targets)
         if hasattr(self.optimizer, "finish_capture"):   # TritonAdamW: the graph's gradient addresses
             self.optimizer.finish_capture()
-
-    def __call__(self, inputs, targets):
-        self.calls += 1
-        if self.calls <= self.warmup_steps:
-            return eager_step_before_capture(self.side_stream, self.device, self.optimizer, self._step, inputs,
-                                             targets)
-        if self.graph is None:
-            self._capture(inputs, targets)   # recording does not execute: the replay below runs this step
-        self.static_inputs.copy_(inputs)
-        self.static_targets.copy_(targets)
-        self.graph.replay()
-        return self.static_loss
 
 
 def make_step(model, optimizer, device, train, args, gradient_sync=None):

@@ -31,8 +31,11 @@ def captures_step(args, device: torch.device) -> bool:
     return device.type == "cuda" and bool(getattr(args, "cuda_graph", False)) and not float16_amp
 
 
-class CapturedStep:
-    """forward -> backward -> optimizer.step(), captured in one graph after `warmup_steps` eager steps."""
+class GraphReplayedStep:
+    """What every graph-captured step shares (this file's CapturedStep, version 4's GraphedStep): `warmup_steps`
+    eager steps on a side stream, then one capture of `_step` by the subclass's `_capture` (which fills
+    static_inputs, static_targets, static_loss and graph), then a copy of each batch into the graph's input
+    buffers and a replay per call."""
 
     supports_breakdown = False   # one replay: there are no phases to put marks between
 
@@ -44,6 +47,28 @@ class CapturedStep:
         self.warmup_steps, self.calls = warmup_steps, 0
         self.graph = None
         self.side_stream = torch.cuda.Stream(device)
+
+    def _step(self, inputs, targets):
+        raise NotImplementedError
+
+    def _capture(self, inputs, targets):
+        raise NotImplementedError
+
+    def __call__(self, inputs, targets):
+        self.calls += 1
+        if self.calls <= self.warmup_steps:
+            return eager_step_before_capture(self.side_stream, self.device, self.optimizer, self._step, inputs,
+                                             targets)
+        if self.graph is None:
+            self._capture(inputs, targets)   # recording does not run the step: the replay below does
+        self.static_inputs.copy_(inputs)
+        self.static_targets.copy_(targets)
+        self.graph.replay()
+        return self.static_loss
+
+
+class CapturedStep(GraphReplayedStep):
+    """forward -> backward -> optimizer.step(), captured in one graph after `warmup_steps` eager steps."""
 
     def _step(self, inputs, targets):
         # cache_enabled=False: autocast's cache of weight casts would hold tensors made outside the graph.
@@ -71,18 +96,6 @@ class CapturedStep:
         with torch._dynamo.config.patch(error_on_recompile=True), \
                 torch.cuda.graph(self.graph, stream=self.side_stream):
             self.static_loss = self._step(self.static_inputs, self.static_targets)
-
-    def __call__(self, inputs, targets):
-        self.calls += 1
-        if self.calls <= self.warmup_steps:
-            return eager_step_before_capture(self.side_stream, self.device, self.optimizer, self._step, inputs,
-                                             targets)
-        if self.graph is None:
-            self._capture(inputs, targets)   # recording does not run the step: the replay below does
-        self.static_inputs.copy_(inputs)
-        self.static_targets.copy_(targets)
-        self.graph.replay()
-        return self.static_loss
 
 
 def eager_step_before_capture(side_stream, device, optimizer, step, inputs, targets):

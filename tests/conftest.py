@@ -46,6 +46,16 @@ def small_interpreter_blocks(monkeypatch):
 
 
 @pytest.fixture
+def known_gpu(monkeypatch):
+    """use_known_gpu, for tests of launch choices made for a GPU this machine need not have (the kernel report's
+    stand-in: meta tensors, the GPU's published limits), with the interpreter switched off so that the GPU rules
+    answer; the process's own GPU again afterwards."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    yield triton_support.use_known_gpu
+    triton_support.use_known_gpu(None)
+
+
+@pytest.fixture
 def graph_counting_backend():
     """(backend, graphs): a torch.compile backend that only records each graph dynamo hands it and runs it
     unchanged (no code generation, so tracing tests stay fast), and the list it records into."""

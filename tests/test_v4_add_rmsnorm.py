@@ -311,18 +311,14 @@ def test_add_rms_norm_with_the_blocks_of_a_cpu_run(monkeypatch, device):
 
 
 @pytest.mark.parametrize("n_features, per_sm", [(256, 4), (512, 4), (1024, 2), (2048, 2), (4096, 2)])
-def test_backward_programs_per_sm_follow_the_row_width(n_features, per_sm, monkeypatch):
+def test_backward_programs_per_sm_follow_the_row_width(n_features, per_sm, known_gpu):
     """The launch an H100 gets (the rule measured in _backward_program_count), asked on meta tensors standing in
     for it: rows of 1,024 features and more get 2 programs per SM, narrower rows 4, each covering its rows once."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    triton_support.use_known_gpu(triton_support.KNOWN_GPUS["sm_90"])
-    try:
-        meta = torch.device("meta")
-        n_rows = 8192
-        block_rows, _ = arn._backward_tile(n_features, n_rows, meta)
-        programs, rows_per_program = arn._backward_program_count(n_rows, block_rows, n_features, meta)
-    finally:
-        triton_support.use_known_gpu(None)
+    known_gpu(triton_support.KNOWN_GPUS["sm_90"])
+    meta = torch.device("meta")
+    n_rows = 8192
+    block_rows, _ = arn._backward_tile(n_features, n_rows, meta)
+    programs, rows_per_program = arn._backward_program_count(n_rows, block_rows, n_features, meta)
     sms = triton_support.KNOWN_GPUS["sm_90"].multiprocessors
     assert (per_sm - 1) * sms < programs <= per_sm * sms
     assert (programs - 1) * rows_per_program < n_rows <= programs * rows_per_program

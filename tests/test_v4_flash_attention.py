@@ -223,15 +223,6 @@ def test_plain_path_equals_version_3(device):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
-@pytest.fixture
-def known_gpu(monkeypatch):
-    """Launch choices computed for a GPU this machine need not have (the kernel report's stand-in), with the
-    interpreter switched off; the process's own GPU again afterwards."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    yield triton_support.use_known_gpu
-    triton_support.use_known_gpu(None)
-
-
 AMPERE_99_KIB = triton_support.KnownGpu("sm_86", "nvidia", 84, 99 * 1024)
 
 

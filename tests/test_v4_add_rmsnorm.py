@@ -310,15 +310,70 @@ def test_add_rms_norm_with_the_blocks_of_a_cpu_run(monkeypatch, device):
     check_add_rms_norm((300, 200), torch.float32, device, seed=15)
 
 
-@pytest.mark.parametrize("n_features, per_sm", [(256, 4), (512, 4), (1024, 2), (2048, 2), (4096, 2)])
-def test_backward_programs_per_sm_follow_the_row_width(n_features, per_sm, known_gpu):
-    """The launch an H100 gets (the rule measured in _backward_program_count), asked on meta tensors standing in
-    for it: rows of 1,024 features and more get 2 programs per SM, narrower rows 4, each covering its rows once."""
+@pytest.mark.parametrize("n_features, per_sm, tile_rows, warps, prefetch", [
+    (256, 4, 16, 4, False), (512, 2, 4, 4, True), (1024, 2, 4, 8, True), (2048, 2, 2, 8, True),
+    (4096, 2, 1, 8, True), (8192, 2, 1, 8, True)])
+def test_backward_launch_follows_the_row_width(n_features, per_sm, tile_rows, warps, prefetch, known_gpu):
+    """The launch an H100 gets (the rules measured in _backward_tile, _backward_program_count and at
+    WIDE_FROM_FEATURES), asked on meta tensors standing in for it: rows of 512 features and more get 2 programs
+    per SM, tiles of at most 4 rows and the next tile prefetched; narrower rows 4 programs per SM and one tile at
+    a time; wide tiles get a warp per 512 elements (at most 8); the programs cover the rows once."""
     known_gpu(triton_support.KNOWN_GPUS["sm_90"])
     meta = torch.device("meta")
     n_rows = 8192
-    block_rows, _ = arn._backward_tile(n_features, n_rows, meta)
+    block_rows, num_warps = arn._backward_tile(n_features, n_rows, meta)
+    assert (block_rows, num_warps, arn._prefetches(n_features)) == (tile_rows, warps, prefetch)
     programs, rows_per_program = arn._backward_program_count(n_rows, block_rows, n_features, meta)
     sms = triton_support.KNOWN_GPUS["sm_90"].multiprocessors
     assert (per_sm - 1) * sms < programs <= per_sm * sms
     assert (programs - 1) * rows_per_program < n_rows <= programs * rows_per_program
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tune_norm_backward.py: its float64 check passes the kernel under any launch and catches a wrong answer
+# ----------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def norm_tuner():
+    """tune_norm_backward, imported before a test switches the interpreter off (its import checks for a GPU)."""
+    from version4_triton_ultra import tune_norm_backward
+    return tune_norm_backward
+
+
+@pytest.mark.parametrize("launch", [None, (2, 1, 2, True), (4, 1, 1, False)], ids=["the rules", "prefetch", "no prefetch"])
+def test_the_norm_tuners_check_passes_every_launch_and_catches_a_wrong_answer(launch, norm_tuner, device):
+    """The backward under the rules and under overridden launches (2 or 4 rows a tile, several tiles a program,
+    the last partial) against float64; a 1% error is caught; the rules are back afterwards."""
+    tune = norm_tuner
+    inputs = tune.make_inputs(37, 96, device=device)
+    want = tune.reference(inputs)
+    rules = (arn._backward_tile, arn._backward_program_count, arn._prefetches)
+    with tune.Override(128, launch):
+        outputs = tune.run_backward(inputs)
+    assert (arn._backward_tile, arn._backward_program_count, arn._prefetches) == rules
+    assert tune.largest_error(outputs, want) < tune.TOLERANCE
+    grad_h, copy, grad_weight = outputs
+    assert tune.largest_error((grad_h * 1.01, copy, grad_weight), want) > 100 * tune.TOLERANCE
+
+
+def test_the_norm_tuners_override_reaches_only_its_width(norm_tuner, known_gpu):
+    tune = norm_tuner
+    known_gpu(triton_support.KNOWN_GPUS["sm_90"])
+    meta = torch.device("meta")
+    with tune.Override(512, (2, 8, 1, False)):
+        assert arn._backward_tile(512, 8192, meta) == (2, 8) and not arn._prefetches(512)
+        programs, rows_per_program = arn._backward_program_count(8192, 2, 512, meta)   # 1 per SM
+        assert programs <= triton_support.KNOWN_GPUS["sm_90"].multiprocessors < programs + 2
+        assert (programs - 1) * rows_per_program < 8192 <= programs * rows_per_program
+        assert arn._backward_tile(1024, 8192, meta) == (4, 8) and arn._prefetches(1024)   # the rules' own
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("flags", [[], ["--candidates", "4,4,2"], ["--candidates", "4,3,2,1"],
+                                   ["--candidates", "3,4,2,1"], ["--features", "9000"], ["--in-step", "huge"]])
+def test_the_norm_tuner_needs_a_gpu_and_good_flags(flags):
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "version4_triton_ultra" / "tune_norm_backward.py"
+    result = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "error:" in result.stderr, result.stderr

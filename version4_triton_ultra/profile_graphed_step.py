@@ -3,6 +3,7 @@
     python profile_graphed_step.py                                  (seed config, float32 with TF32)
     python profile_graphed_step.py --use-amp                        (bfloat16 autocast)
     python profile_graphed_step.py --use-amp --batch-size 32 --seq-len 512 --top 20
+    python profile_graphed_step.py --use-amp --preset small         (a size preset's model, batch and sequence)
     python profile_graphed_step.py --no-weight-grad-stream          (weight gradients on the main stream)
     python profile_graphed_step.py --rope-in-attention              (RoPE on load instead of in the QKV GEMM)
     python profile_graphed_step.py --use-amp --torch-adamw          (torch's fused AdamW + a separate weight copy)
@@ -32,7 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser, positive_int  # noqa: E402
-from tinytransformer.config import ModelConfig, TrainConfig  # noqa: E402
+from tinytransformer.config import (ModelConfig, TrainConfig, available_presets, load_yaml, preset_path,  # noqa: E402
+                                   split_settings)
 from tinytransformer.precision import set_tf32  # noqa: E402
 
 
@@ -74,8 +76,11 @@ def family_totals(rows) -> list[tuple[str, float]]:
 def parse_args(argv):
     parser = OneLineParser(prog="profile_graphed_step.py",
                            description="Median time and kernel table of version 4's graph-captured step.")
-    parser.add_argument("--batch-size", type=positive_int, default=8)
-    parser.add_argument("--seq-len", type=positive_int, default=128)
+    parser.add_argument("--preset", choices=available_presets(),
+                        help="the model, batch size and sequence length of configs/PRESET.yaml (default: the "
+                             "seed model); --batch-size and --seq-len still override the preset's")
+    parser.add_argument("--batch-size", type=positive_int, default=None, help="[the preset's, else 8]")
+    parser.add_argument("--seq-len", type=positive_int, default=None, help="[the preset's, else 128]")
     parser.add_argument("--use-amp", action="store_true", help="bfloat16 autocast (default: float32 with TF32)")
     parser.add_argument("--no-weight-grad-stream", dest="weight_grad_stream", action="store_false",
                         help="weight-gradient GEMMs on the main stream (default: on a second stream)")
@@ -87,6 +92,10 @@ def parse_args(argv):
     parser.add_argument("--steps", type=positive_int, default=200, help="timed replays [200]")
     parser.add_argument("--top", type=positive_int, default=45, help="kernel rows to print [45]")
     args = parser.parse_args(argv)
+    preset_model, preset_train = split_settings(load_yaml(preset_path(args.preset))) if args.preset else ({}, {})
+    args.model_settings = preset_model
+    args.batch_size = args.batch_size or preset_train.get("batch_size", 8)
+    args.seq_len = args.seq_len or preset_train.get("seq_len", 128)
     # Sizes the kernels cannot take are refused first, on any machine, in one line.
     problem = shape_problem(args)
     if problem:
@@ -97,12 +106,14 @@ def parse_args(argv):
 
 
 def model_config(args) -> ModelConfig:
-    """The seed model, with room for --seq-len."""
-    return ModelConfig(max_seq_len=max(args.seq_len, ModelConfig().max_seq_len))
+    """The preset's model (the seed model without --preset), with room for --seq-len."""
+    settings = dict(args.model_settings)
+    settings["max_seq_len"] = max(args.seq_len, settings.get("max_seq_len", ModelConfig().max_seq_len))
+    return ModelConfig(**settings)
 
 
 def shape_problem(args) -> str | None:
-    """Version 4's shape rules (tiny_llama_v4.shape_problem) for the seed model at this batch and sequence."""
+    """Version 4's shape rules (tiny_llama_v4.shape_problem) for the model at this batch and sequence."""
     from version4_triton_ultra import tiny_llama_v4 as v4
     gemm_dtype = torch.bfloat16 if args.use_amp else torch.float32
     return v4.shape_problem(model_config(args), args.batch_size, args.seq_len, gemm_dtype,
@@ -164,7 +175,8 @@ def main(argv=None) -> int:
     step, inputs, targets = build_step(args)
     ms = median_step_ms(step, inputs, targets, args.steps)
     precision = "bfloat16 autocast" if args.use_amp else "float32 (TF32 GEMMs)"
-    print(f"{torch.cuda.get_device_name()}, batch {args.batch_size}, seq {args.seq_len}, {precision}: "
+    model = f"preset {args.preset}" if args.preset else "seed model"
+    print(f"{torch.cuda.get_device_name()}, {model}, batch {args.batch_size}, seq {args.seq_len}, {precision}: "
           f"median {ms * 1000:.1f} us per step = {args.batch_size / ms * 1000:,.0f} samples/s")
     rows, total_us, span_us = kernel_table(step, inputs, targets)
     launches = sum(row[1] for row in rows)

@@ -53,23 +53,31 @@ from version4_triton_ultra.kernels.embedding_backward import embedding_backward,
 MAX_FEATURES = 8192
 # Backward programs per group whose partial weight gradients the group's last program adds up (see the module
 # docstring). ~sqrt(programs) at 4 programs per SM balances the two levels: on an H100 (528 programs), 17 groups;
-# rows of 1,024 features and more get 2 programs per SM (see _backward_program_count), so about half as many.
+# rows of 512 features and more get 2 programs per SM (see _backward_program_count), so about half as many.
 GROUP_SIZE = 32
 # Up to this many programs (short batches), one group: its last program adds all the partial sums itself.
 ONE_GROUP_UP_TO = 64
-# The backward kernel loads its next tile of rows before it computes the current one (see its loop) for rows of at
-# least this many features (counted as the power-of-two block that holds a row). Timed on an H100 at 8,192 rows,
-# bfloat16 gradients, the two loops interleaved (benchmarks/results/kernel_time/h100_norm_backward_prefetch.json):
-# 69.8 -> 66.9 us at 1,024 features, 146.3 -> 136.8 us at 2,048, but 134.8 -> 137.5 us at 512, so narrower rows
-# keep one tile at a time. NVIDIA only: nothing was timed on AMD, and there the tile in flight costs occupancy
-# (compiled for gfx942 at 2,048 features by the kernel report's compiler: 140 -> 192 VGPRs, 3 -> 2 waves per SIMD,
-# and 8 SGPRs spilled with the embedding's scatter). Tests move the threshold to run both loops.
-PREFETCH_FROM_FEATURES = 1024
+# Rows of at least WIDE_FROM_FEATURES features (counted as the power-of-two block that holds a row) are "wide": the
+# backward kernel takes tiles of at most WIDE_TILE_ROWS rows, 2 programs per SM instead of 4 (see
+# _backward_program_count), and on NVIDIA loads its next tile of rows before it computes the current one (see its
+# loop; from PREFETCH_FROM_FEATURES, the same width, apart so that tests can run either loop at any width). Timed at 8,192 rows,
+# bfloat16 gradients, the configurations interleaved: on an H100 the prefetch took 69.8 -> 66.9 us at 1,024 features
+# and 146.3 -> 136.8 us at 2,048 (benchmarks/results/kernel_time/h100_norm_backward_prefetch.json); at 512 features
+# (the small preset's width) the three together took 30.2 -> 25.2 us on an H200, 18.3 -> 14.1 us at 4,096 rows,
+# and the small preset's step 2.132 -> 2.088 ms (benchmarks/results/kernel_time/h200_norm_backward_wide_rows.json),
+# where the prefetch alone, with 8-row tiles and 4 programs per SM, was slower (23.1 us at 4,096 rows).
+# The prefetch is NVIDIA only: nothing was timed on AMD, and there the tile in flight costs occupancy (compiled for
+# gfx942 at 2,048 features by the kernel report's compiler: 140 -> 192 VGPRs, 3 -> 2 waves per SIMD, and 8 SGPRs
+# spilled with the embedding's scatter). Tests move the threshold to run both loops.
+WIDE_FROM_FEATURES = 512
+WIDE_TILE_ROWS = 4
+PREFETCH_FROM_FEATURES = WIDE_FROM_FEATURES
 
 
 def _prefetches(block_d: int) -> bool:
     """Whether the backward kernel loads its next tile early for rows of block_d features (see above)."""
     return not is_rocm() and block_d >= PREFETCH_FROM_FEATURES
+
 # Ticket counters allocated per device: one per group and one for the groups. Programs are a few per SM, so
 # groups are far fewer than this on any GPU.
 MAX_TICKETS = 1024
@@ -355,41 +363,49 @@ def _backward_tile(block_d, n_rows, device):
     With more rows than the programs (see _backward_program_count) cover with one such tile each, tiles of half
     the rows with half the warps: on the H100 the batch-32 step took ~31 us less (9 calls at N = 16384, D = 256,
     i.e. 31 rows per program), while at the seed size (N = 1024, one tile per program) the same tiles made the
-    step ~60 us slower. Only measured at D <= 256 (and on NVIDIA), so wider rows keep the 4096-element tiles.
+    step ~60 us slower. Only measured at D <= 256 (and on NVIDIA).
 
-    A row wider than 4096 features is a tile of its own: there 4 warps would give each thread too many
-    elements (at D = 8192, N = 2048 the kernel took 923 us with 4 warps against 162 us with 8, same H100), so
-    the cap stays 8.
+    Wide rows (from WIDE_FROM_FEATURES) take tiles of WIDE_TILE_ROWS rows up to 4,096 elements, and a warp per
+    512 elements (16 per thread on NVIDIA), at most 8 warps. Timed for the kernel alone at 8,192 rows, bfloat16
+    gradients, on an H200 (benchmarks/results/kernel_time/h200_norm_backward_wide_rows.json): at 512 features
+    4 rows and 4 warps 25.2 us against 27.4 with 8 rows; at 2,048 features 2 rows and 8 warps 96.8 us against
+    112.4 with 4 warps (the large preset's step 95.9 -> 95.2 ms); at 1,024 features 4 rows and 8 warps 49.0 us
+    against 49.4 with 4. A row wider than 4,096 features is a tile of its own with 8 warps: 4 would give each
+    thread too many elements (at D = 8192, N = 2048 the kernel took 923 us with 4 warps against 162 us with 8, on
+    an H100).
     """
     if interpreter_active():
         if small_interpreter_blocks():
             return 4, 1   # kernel tests: small tiles that still exercise the masking of a partial last tile
         return interpreter_block(n_rows, 1, max(1, INTERPRETER_TILE_ELEMENTS // block_d)), 1
+    if block_d >= WIDE_FROM_FEATURES:
+        rows = max(1, min(WIDE_TILE_ROWS, 4096 // block_d))
+        # 512 elements a warp: 4 warps for 2,048, 8 for 4,096 elements and more (see the docstring).
+        return rows, min(8, max(1, rows * block_d // 512))
     rows = max(1, min(16, 4096 // block_d))
     programs, _ = _backward_program_count(n_rows, rows, block_d, device)
-    if block_d <= 256 and n_rows > programs * rows:
+    if n_rows > programs * rows:
         rows //= 2
         return rows, num_warps_for(rows * block_d, max_warps=2)
-    tile_elements = rows * block_d
-    return rows, num_warps_for(tile_elements, max_warps=4 if tile_elements <= 4096 else 8)
+    return rows, num_warps_for(rows * block_d, max_warps=4)
 
 
 def _backward_program_count(n_rows, block_rows, block_d, device):
     """A few programs per SM (compute unit), each owning a contiguous range of rows.
 
     Fewer programs than rows keeps the partial-sum buffer (and its summing) small; a few per SM keep
-    enough loads in flight to stream at memory speed. How few: 4 per SM for rows of up to 512 features, 2 for
-    wider rows (a block of 1,024 features or more: 513 features already take one), where each program's
-    [rows, D] tile is already 4,096 elements of one to four rows and a longer range of rows per program streams
-    better. Measured on an H100 (132 SMs) for the kernel alone at 8,192 rows
-    (the medium and large presets' batch x sequence), bfloat16 gradients, every tile and warp count swept:
-    at 2,048 features 131.5 us a call with 2 programs per SM against 152.6 us or more with 4 (same tile and
-    warps), at 1,024 features 69.4 against 71.6 us; the outputs matched. Rows of 256 features (the seed and
-    tiny presets) were tuned with 4 in the graph-captured step and keep it; 512 was not measured, nor was any
-    of this on an AMD GPU (the same rule applies there, per compute unit).
+    enough loads in flight to stream at memory speed. How few: 4 per SM for rows of up to 256 features, 2 for
+    wide rows (a block of 512 features or more: WIDE_FROM_FEATURES; 257 features already take one), where a
+    longer range of rows per program streams better. Measured for the kernel alone at 8,192 rows
+    (the medium and large presets' batch x sequence), bfloat16 gradients: on an H100 (132 SMs), every tile and
+    warp count swept, at 2,048 features 131.5 us a call with 2 programs per SM against 152.6 us or more with 4
+    (same tile and warps), at 1,024 features 69.4 against 71.6 us; on an H200 at 512 features 25.3 us against
+    27.8 with 4 (4-row tiles, 2 warps, both prefetching). The outputs matched. Rows of 256 features (the seed and
+    tiny presets) were tuned with 4 in the graph-captured step and keep it. None of this was measured on an AMD
+    GPU (the same rule applies there, per compute unit).
     """
     if is_gpu(device) and not interpreter_active():
-        target = (2 if block_d >= 1024 else 4) * multiprocessor_count(device)
+        target = (2 if block_d >= WIDE_FROM_FEATURES else 4) * multiprocessor_count(device)
     elif small_interpreter_blocks():
         target = 4  # the interpreter runs programs one after another: a few are enough to test the loop
     else:

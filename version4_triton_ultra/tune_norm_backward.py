@@ -1,0 +1,234 @@
+"""Time version 4's add + RMSNorm backward kernel under other launches at one width, and check each.
+
+    python tune_norm_backward.py                                  (512 features, the small preset's width)
+    python tune_norm_backward.py --features 2048 --rows 8192      (the large preset's rows)
+    python tune_norm_backward.py --features 512 --rows 4096 --in-step small
+    python tune_norm_backward.py --features 1024 --candidates 4,8,2,1 2,4,2,1
+
+kernels/add_rmsnorm.py launches its backward kernel by rules of the row width (`_backward_tile`,
+`_backward_program_count`, `_prefetches`): rows per tile, warps, programs per SM, and whether the next tile is
+loaded before the current one is computed. Each candidate here is ROWS,WARPS,PROGRAMS_PER_SM,PREFETCH (0 or 1)
+and replaces those rules at this width only. The first row of the table is the rules' own launch.
+
+How it times: one CUDA/HIP graph of 20 back-to-back launches per candidate, replayed in interleaved rounds
+(median of 5, microseconds per launch). Not do_bench per call: this kernel takes 15-120 us, and a Python launch
+of it (allocations, argument packing) can take longer, so a per-call timer measures the host; that is why an
+earlier do_bench figure of ~135 us at 8,192 x 512 was far from the kernel's ~30 us. The 20 launches read the same
+inputs, so at small row counts part of them stays in the L2 cache, as in the training step, where each norm
+reads what the kernel before it has just written. `--in-step PRESET` settles it: version 4's graph-captured step
+at that preset (profile_graphed_step.build_step), once under the rules and once under each of the 2 fastest
+candidates, timed in interleaved rounds.
+
+Every candidate is checked against float64: grad_h and the weight gradient (its float32 sum of the rows'
+contributions), relative error below 1e-5, else the row says WRONG. Needs a GPU.
+"""
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
+
+from tinytransformer.cli import OneLineParser, positive_int  # noqa: E402
+from tinytransformer.config import available_presets  # noqa: E402
+from tinytransformer.triton_support import enable_interpreter_if_no_gpu, is_gpu, multiprocessor_count  # noqa: E402
+
+enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
+
+import triton  # noqa: E402
+
+from version4_triton_ultra.kernels import add_rmsnorm as norm  # noqa: E402
+
+TOLERANCE = 1e-5   # float32 results against float64 (DESIGN.md's tolerance for float32)
+LAUNCHES_PER_GRAPH = 20
+ROUNDS = 5
+# (rows per tile, warps, programs per SM, prefetch), tried at every width; the rules' own launch comes first.
+CANDIDATES = [(8, 4, 4, False), (8, 4, 2, False), (4, 4, 2, True), (4, 8, 2, True), (4, 4, 1, True),
+              (2, 4, 2, True), (2, 8, 2, True), (1, 4, 2, True), (4, 2, 4, True), (2, 2, 8, False)]
+
+
+def candidate(text: str) -> tuple:
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts) or parts[3] not in ("0", "1"):
+        raise ValueError(f"expected ROWS,WARPS,PROGRAMS_PER_SM,PREFETCH (e.g. 4,4,2,1), got {text!r}")
+    rows, warps, per_sm, prefetch = (int(p) for p in parts)
+    if rows not in (1, 2, 4, 8, 16, 32) or per_sm < 1 or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{text!r}: rows and warps powers of two (up to 32 and 16), programs per SM >= 1")
+    return rows, warps, per_sm, bool(prefetch)
+
+
+def parse_args(argv):
+    parser = OneLineParser(prog="tune_norm_backward.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--features", type=positive_int, default=512, help="row width D [512]")
+    parser.add_argument("--rows", type=positive_int, default=8192, help="rows N (batch x sequence) [8192]")
+    parser.add_argument("--candidates", nargs="+", metavar="R,W,P,F",
+                        help="launches to try: rows per tile, warps, programs per SM, prefetch 0/1 [a built-in list]")
+    parser.add_argument("--in-step", choices=available_presets(), metavar="PRESET",
+                        help="also time version 4's step at this preset under the rules and the 2 fastest candidates")
+    args = parser.parse_args(argv)
+    problem = norm.shape_problem(args.features)
+    if problem:
+        parser.error(problem)
+    try:
+        args.candidates = [candidate(c) for c in args.candidates] if args.candidates else CANDIDATES
+    except ValueError as why:
+        parser.error(f"--candidates: {why}")
+    if not torch.cuda.is_available():
+        parser.error("needs a GPU (CUDA or ROCm): timings in Triton's CPU interpreter say nothing about one")
+    return args
+
+
+class Override:
+    """Replaces the backward kernel's launch rules for rows of block_d features (None: the rules as they are),
+    inside a `with` block."""
+
+    def __init__(self, block_d: int, launch):
+        self.block_d, self.launch = block_d, launch
+        self.saved = (norm._backward_tile, norm._backward_program_count, norm._prefetches)
+
+    def __enter__(self):
+        if self.launch is None:
+            return self
+        tile, count, prefetches = self.saved
+        rows, warps, per_sm, prefetch = self.launch
+
+        def backward_tile(block_d, n_rows, device):
+            return (rows, warps) if block_d == self.block_d else tile(block_d, n_rows, device)
+
+        def program_count(n_rows, block_rows, block_d, device):
+            if block_d != self.block_d:
+                return count(n_rows, block_rows, block_d, device)
+            sms = multiprocessor_count(device) if is_gpu(device) else 1   # the interpreter: per_sm programs
+            target = min(per_sm * sms, triton.cdiv(n_rows, block_rows))
+            rows_per_program = triton.cdiv(n_rows, target)
+            return triton.cdiv(n_rows, rows_per_program), rows_per_program
+
+        norm._backward_tile, norm._backward_program_count = backward_tile, program_count
+        norm._prefetches = lambda block_d: prefetch if block_d == self.block_d else prefetches(block_d)
+        return self
+
+    def __exit__(self, *exc):
+        norm._backward_tile, norm._backward_program_count, norm._prefetches = self.saved
+
+
+def make_inputs(n_rows, n_features, device="cuda"):
+    """The backward's inputs as version 4's step hands them over under bfloat16 autocast: the float32 stream h,
+    the weight, rstd, grad_normed in bfloat16 and grad_new_residual in float32."""
+    torch.manual_seed(0)
+    h = torch.randn(n_rows, n_features, device=device)
+    weight = 1.0 + 0.1 * torch.randn(n_features, device=device)
+    rstd = torch.rsqrt(h.pow(2).mean(-1) + 1e-6)
+    grad_normed = torch.randn(n_rows, n_features, device=device).to(torch.bfloat16)
+    grad_residual = torch.randn(n_rows, n_features, device=device)
+    return h, weight, rstd, grad_normed, grad_residual
+
+
+def run_backward(inputs):
+    h, weight, rstd, grad_normed, grad_residual = inputs
+    return norm._rms_norm_backward(h, weight, rstd, grad_normed, grad_residual, copy_dtype=torch.bfloat16)
+
+
+def reference(inputs):
+    """(grad_h, grad_weight) in float64, from the formula in add_rmsnorm.py's docstring."""
+    h, weight, rstd, grad_normed, grad_residual = (t.double() for t in inputs)
+    x_hat = h * rstd[:, None]
+    g = grad_normed * weight
+    grad_h = rstd[:, None] * (g - x_hat * (g * x_hat).mean(-1, keepdim=True)) + grad_residual
+    return grad_h, (grad_normed * x_hat).sum(0)
+
+
+def largest_error(outputs, want) -> float:
+    grad_h, _, grad_weight = outputs
+    return max(((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+               for got, ref in ((grad_h, want[0]), (grad_weight, want[1])))
+
+
+def captured_launches(inputs, launches: int):
+    """A graph of `launches` back-to-back backward launches (after a few eager ones on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run_backward(inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            run_backward(inputs)
+    return graph
+
+
+def time_interleaved(runs: dict, rounds: int) -> dict:
+    """{name: median over rounds of run()'s milliseconds}, the runs taking turns within each round."""
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name].append(run())
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def graph_ms(graph) -> float:
+    graph.replay()   # once untimed: the first replay after another graph may wait on clocks or caches
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def label(launch) -> str:
+    return "the rules" if launch is None else "{} rows, {} warps, {}/SM{}".format(*launch[:3], ", prefetch" * launch[3])
+
+
+def time_in_step(preset: str, launches: list, block_d: int) -> dict:
+    from version4_triton_ultra import profile_graphed_step
+    args = profile_graphed_step.parse_args(["--preset", preset, "--use-amp"])
+    steps = {}
+    for launch in launches:
+        with Override(block_d, launch):   # the launches are recorded when the step is captured
+            step, inputs, targets = profile_graphed_step.build_step(args)
+            for _ in range(6):   # eager warm-up steps and the capture
+                step(inputs, targets)
+        steps[label(launch)] = (step, inputs, targets)
+    torch.cuda.synchronize()
+    # Each turn: 20 untimed replays, then the median of 30 (profile_graphed_step's timing).
+    return time_interleaved({name: (lambda s=s: profile_graphed_step.median_step_ms(*s, steps=30))
+                             for name, s in steps.items()}, rounds=3)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    block_d = triton.next_power_of_2(args.features)
+    inputs = make_inputs(args.rows, args.features)
+    want = reference(inputs)
+    bytes_moved = args.rows * args.features * 16   # h 4, grad_normed 2, grad_residual 4 read; grad_h 4 + 2 written
+    graphs, errors = {}, {}
+    for launch in [None] + args.candidates:
+        name = label(launch)
+        with Override(block_d, launch):
+            try:
+                errors[name] = largest_error(run_backward(inputs), want)
+                graphs[name] = captured_launches(inputs, LAUNCHES_PER_GRAPH)
+            except Exception as why:   # noqa: BLE001 - a launch this GPU cannot compile or run is not a candidate
+                print(f"{name:<34} fails: {str(why).splitlines()[0][:80]}")
+    times = time_interleaved({name: (lambda g=g: graph_ms(g)) for name, g in graphs.items()}, ROUNDS)
+    print(f"{torch.cuda.get_device_name()}: backward of {args.rows} x {args.features}, bfloat16 gradients; "
+          f"us per launch (graph of {LAUNCHES_PER_GRAPH}, median of {ROUNDS} rounds); error against float64")
+    for name, ms in times.items():
+        us = 1000.0 * ms / LAUNCHES_PER_GRAPH
+        verdict = "ok" if errors[name] < TOLERANCE else "WRONG"
+        print(f"{name:<34} {us:8.1f} us  {bytes_moved / us / 1e3:7.0f} GB/s  error {errors[name]:.1e}  {verdict}")
+    if args.in_step:
+        fastest = sorted((ms, name) for name, ms in times.items()
+                         if name != label(None) and errors[name] < TOLERANCE)[:2]
+        chosen = [None] + [launch for launch in args.candidates if label(launch) in {n for _, n in fastest}]
+        print(f"version 4's step at the {args.in_step} preset (bfloat16), ms, median of 3 interleaved rounds:")
+        for name, ms in time_in_step(args.in_step, chosen, block_d).items():
+            print(f"{name:<34} {ms:8.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

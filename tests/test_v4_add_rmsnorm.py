@@ -353,6 +353,7 @@ def test_the_norm_tuners_check_passes_every_launch_and_catches_a_wrong_answer(la
     assert tune.largest_error(outputs, want) < tune.TOLERANCE
     grad_h, copy, grad_weight = outputs
     assert tune.largest_error((grad_h * 1.01, copy, grad_weight), want) > 100 * tune.TOLERANCE
+    assert tune.largest_error((grad_h, copy * 1.05, grad_weight), want) > tune.TOLERANCE   # and in the 16-bit copy
 
 
 def test_the_norm_tuners_override_reaches_only_its_width(norm_tuner, known_gpu):
@@ -369,7 +370,8 @@ def test_the_norm_tuners_override_reaches_only_its_width(norm_tuner, known_gpu):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 @pytest.mark.parametrize("flags", [[], ["--candidates", "4,4,2"], ["--candidates", "4,3,2,1"],
-                                   ["--candidates", "3,4,2,1"], ["--features", "9000"], ["--in-step", "huge"]])
+                                   ["--candidates", "3,4,2,1"], ["--features", "9000"], ["--in-step", "huge"],
+                                   ["--in-step", "medium"]])
 def test_the_norm_tuner_needs_a_gpu_and_good_flags(flags):
     import subprocess
     import sys

@@ -50,6 +50,21 @@ def test_profile_graphed_step_needs_a_gpu_and_good_flags(flags):
     assert result.stderr.count("\n") == 1 and "error:" in result.stderr
 
 
+@pytest.mark.parametrize("flags, want", [
+    (dict(preset=None), (256, 4, 8, 128, 128)),                                  # the seed model
+    (dict(preset="small"), (512, 6, 16, 256, 256)),                              # the preset's model and sizes
+    (dict(preset="medium", batch_size=2, seq_len=1024), (1024, 12, 2, 1024, 1024)),   # flags override the preset
+])
+def test_profile_graphed_step_takes_the_presets_sizes(flags, want):
+    """--preset: the preset's model, batch and sequence; --batch-size and --seq-len still win, and the model's
+    max_seq_len grows to hold a longer sequence."""
+    import argparse
+    from version4_triton_ultra.profile_graphed_step import model_config, resolve_sizes
+    args = resolve_sizes(argparse.Namespace(**{"batch_size": None, "seq_len": None, **flags}))
+    config = model_config(args)
+    assert (config.hidden_dim, config.num_layers, args.batch_size, args.seq_len, config.max_seq_len) == want
+
+
 def test_profile_graphed_step_kernel_families():
     from version4_triton_ultra.profile_graphed_step import family_totals, kernel_family
     assert kernel_family("_flash_attention_backward_dq_kernel") == "attention"

@@ -91,17 +91,23 @@ def parse_args(argv):
                              "4's Triton AdamW, which writes the copies)")
     parser.add_argument("--steps", type=positive_int, default=200, help="timed replays [200]")
     parser.add_argument("--top", type=positive_int, default=45, help="kernel rows to print [45]")
-    args = parser.parse_args(argv)
-    preset_model, preset_train = split_settings(load_yaml(preset_path(args.preset))) if args.preset else ({}, {})
-    args.model_settings = preset_model
-    args.batch_size = args.batch_size or preset_train.get("batch_size", 8)
-    args.seq_len = args.seq_len or preset_train.get("seq_len", 128)
+    args = resolve_sizes(parser.parse_args(argv))
     # Sizes the kernels cannot take are refused first, on any machine, in one line.
     problem = shape_problem(args)
     if problem:
         parser.error(problem)
     if not torch.cuda.is_available():
         parser.error("needs a GPU (CUDA or ROCm): the step is a CUDA/HIP graph replay")
+    return args
+
+
+def resolve_sizes(args):
+    """The preset's model settings (args.model_settings), and its batch size and sequence length where the flags
+    gave none; without --preset, the seed model at batch 8 and sequence 128."""
+    preset_model, preset_train = split_settings(load_yaml(preset_path(args.preset))) if args.preset else ({}, {})
+    args.model_settings = preset_model
+    args.batch_size = args.batch_size or preset_train.get("batch_size", 8)
+    args.seq_len = args.seq_len or preset_train.get("seq_len", 128)
     return args
 
 

@@ -57,18 +57,25 @@ MAX_FEATURES = 8192
 GROUP_SIZE = 32
 # Up to this many programs (short batches), one group: its last program adds all the partial sums itself.
 ONE_GROUP_UP_TO = 64
-# Rows of at least WIDE_FROM_FEATURES features (counted as the power-of-two block that holds a row) are "wide": the
-# backward kernel takes tiles of at most WIDE_TILE_ROWS rows, 2 programs per SM instead of 4 (see
-# _backward_program_count), and on NVIDIA loads its next tile of rows before it computes the current one (see its
-# loop; from PREFETCH_FROM_FEATURES, the same width, apart so that tests can run either loop at any width). Timed at 8,192 rows,
-# bfloat16 gradients, the configurations interleaved: on an H100 the prefetch took 69.8 -> 66.9 us at 1,024 features
-# and 146.3 -> 136.8 us at 2,048 (benchmarks/results/kernel_time/h100_norm_backward_prefetch.json); at 512 features
-# (the small preset's width) the three together took 30.2 -> 25.2 us on an H200, 18.3 -> 14.1 us at 4,096 rows,
-# and the small preset's step 2.132 -> 2.088 ms (benchmarks/results/kernel_time/h200_norm_backward_wide_rows.json),
-# where the prefetch alone, with 8-row tiles and 4 programs per SM, was slower (23.1 us at 4,096 rows).
-# The prefetch is NVIDIA only: nothing was timed on AMD, and there the tile in flight costs occupancy (compiled for
-# gfx942 at 2,048 features by the kernel report's compiler: 140 -> 192 VGPRs, 3 -> 2 waves per SIMD, and 8 SGPRs
-# spilled with the embedding's scatter). Tests move the threshold to run both loops.
+# Wide rows. Rows of at least WIDE_FROM_FEATURES features (counted as the power-of-two block that holds a row) get
+# three launch settings in the backward kernel:
+#   - tiles of at most WIDE_TILE_ROWS rows (a power of two, as tl.arange needs) and a warp per 512 elements of a
+#     tile (see _backward_tile);
+#   - 2 programs per SM instead of 4 (see _backward_program_count);
+#   - on NVIDIA, the next tile's loads issued before the current tile is computed (see the kernel's loop), from
+#     PREFETCH_FROM_FEATURES: the same width, kept apart so that tests can run either loop at any width.
+# Timed for the kernel alone, bfloat16 gradients, the configurations interleaved:
+#   - H100, 8,192 rows, the prefetch alone: 69.8 -> 66.9 us at 1,024 features, 146.3 -> 136.8 us at 2,048
+#     (benchmarks/results/kernel_time/h100_norm_backward_prefetch.json);
+#   - H100, the three settings against the rules before them (h100_norm_backward_wide_rows.json): 512 features
+#     34.8 -> 30.6 us at 8,192 rows and 19.4 -> 14.7 us at 4,096 (the small preset's rows), 1,024 features
+#     64.3 -> 60.8 us, 2,048 features 138.3 -> 123.1 us;
+#   - H200, the sweeps they were chosen from, with the presets' steps (h200_norm_backward_wide_rows.json): the small
+#     preset's step 2.132 -> 2.088 ms; at 512 features the prefetch alone (8-row tiles, 4 programs per SM) was
+#     slower, 23.1 against 18.2 us at 4,096 rows.
+# Not timed on AMD (the rules apply there too, the prefetch excepted: there the tile in flight costs occupancy,
+# compiled for gfx942 at 2,048 features by the kernel report's compiler: 140 -> 192 VGPRs, 3 -> 2 waves per SIMD,
+# and 8 SGPRs spilled with the embedding's scatter), nor at 257-511 or 4,096 and more features on any GPU.
 WIDE_FROM_FEATURES = 512
 WIDE_TILE_ROWS = 4
 PREFETCH_FROM_FEATURES = WIDE_FROM_FEATURES
@@ -367,12 +374,13 @@ def _backward_tile(block_d, n_rows, device):
 
     Wide rows (from WIDE_FROM_FEATURES) take tiles of WIDE_TILE_ROWS rows up to 4,096 elements, and a warp per
     512 elements (16 per thread on NVIDIA), at most 8 warps. Timed for the kernel alone at 8,192 rows, bfloat16
-    gradients, on an H200 (benchmarks/results/kernel_time/h200_norm_backward_wide_rows.json): at 512 features
-    4 rows and 4 warps 25.2 us against 27.4 with 8 rows; at 2,048 features 2 rows and 8 warps 96.8 us against
-    112.4 with 4 warps (the large preset's step 95.9 -> 95.2 ms); at 1,024 features 4 rows and 8 warps 49.0 us
-    against 49.4 with 4. A row wider than 4,096 features is a tile of its own with 8 warps: 4 would give each
-    thread too many elements (at D = 8192, N = 2048 the kernel took 923 us with 4 warps against 162 us with 8, on
-    an H100).
+    gradients, 2 programs per SM with the prefetch, on an H200 (benchmarks/results/kernel_time/
+    h200_norm_backward_wide_rows.json): at 512 features 4 rows and 4 warps 25.2 us against 31.7 with 8 rows; at
+    2,048 features 2 rows and 8 warps 96.8 us against 112.4 with 4 warps (the large preset's step 95.9 -> 95.2 ms);
+    at 1,024 features 4 rows and 8 warps 49.0 us against 49.4 with 4. At 4,096 features (one row, 8 warps) and on
+    AMD GPUs nothing was timed. A row wider than 4,096 features is a tile of its own with 8 warps: 4 would give
+    each thread too many elements (at D = 8192, N = 2048 the kernel took 923 us with 4 warps against 162 us with
+    8, on an H100).
     """
     if interpreter_active():
         if small_interpreter_blocks():
@@ -399,8 +407,8 @@ def _backward_program_count(n_rows, block_rows, block_d, device):
     longer range of rows per program streams better. Measured for the kernel alone at 8,192 rows
     (the medium and large presets' batch x sequence), bfloat16 gradients: on an H100 (132 SMs), every tile and
     warp count swept, at 2,048 features 131.5 us a call with 2 programs per SM against 152.6 us or more with 4
-    (same tile and warps), at 1,024 features 69.4 against 71.6 us; on an H200 at 512 features 25.3 us against
-    27.8 with 4 (4-row tiles, 2 warps, both prefetching). The outputs matched. Rows of 256 features (the seed and
+    (same tile and warps), at 1,024 features 69.4 against 71.6 us; on an H200 at 512 features 27.5 us against
+    30.3 with 4 (8-row tiles, 4 warps, no prefetch; with 4-row tiles and the prefetch, 2 per SM took 25.2 us). The outputs matched. Rows of 256 features (the seed and
     tiny presets) were tuned with 4 in the graph-captured step and keep it. None of this was measured on an AMD
     GPU (the same rule applies there, per compute unit).
     """

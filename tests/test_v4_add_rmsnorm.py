@@ -339,17 +339,18 @@ def norm_tuner():
     return tune_norm_backward
 
 
-@pytest.mark.parametrize("launch", [None, (2, 1, 2, True), (4, 1, 1, False)], ids=["the rules", "prefetch", "no prefetch"])
+@pytest.mark.parametrize("launch", [None, (2, 1, 2, True), (4, 1, 1, False)],
+                         ids=["the rules", "prefetch", "no prefetch"])
 def test_the_norm_tuners_check_passes_every_launch_and_catches_a_wrong_answer(launch, norm_tuner, device):
     """The backward under the rules and under overridden launches (2 or 4 rows a tile, several tiles a program,
     the last partial) against float64; a 1% error is caught; the rules are back afterwards."""
     tune = norm_tuner
     inputs = tune.make_inputs(37, 96, device=device)
     want = tune.reference(inputs)
-    rules = (arn._backward_tile, arn._backward_program_count, arn._prefetches)
+    rules = (arn._backward_tile, arn._programs_per_sm, arn._prefetches)
     with tune.Override(128, launch):
         outputs = tune.run_backward(inputs)
-    assert (arn._backward_tile, arn._backward_program_count, arn._prefetches) == rules
+    assert (arn._backward_tile, arn._programs_per_sm, arn._prefetches) == rules
     assert tune.largest_error(outputs, want) < tune.TOLERANCE
     grad_h, copy, grad_weight = outputs
     assert tune.largest_error((grad_h * 1.01, copy, grad_weight), want) > 100 * tune.TOLERANCE

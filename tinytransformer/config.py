@@ -272,3 +272,8 @@ def split_settings(settings: dict) -> tuple[dict, dict]:
     model = {k: v for k, v in settings.items() if k in MODEL_FIELDS}
     train = {k: v for k, v in settings.items() if k in TRAIN_FIELDS}
     return model, train
+
+
+def preset_settings(name: str) -> tuple[dict, dict]:
+    """(model fields, train fields) of configs/NAME.yaml."""
+    return split_settings(load_yaml(preset_path(name)))

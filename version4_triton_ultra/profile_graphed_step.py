@@ -33,8 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser, positive_int  # noqa: E402
-from tinytransformer.config import (ModelConfig, TrainConfig, available_presets, load_yaml, preset_path,  # noqa: E402
-                                   split_settings)
+from tinytransformer.config import ModelConfig, TrainConfig, available_presets, preset_settings  # noqa: E402
 from tinytransformer.precision import set_tf32  # noqa: E402
 
 
@@ -104,7 +103,7 @@ def parse_args(argv):
 def resolve_sizes(args):
     """The preset's model settings (args.model_settings), and its batch size and sequence length where the flags
     gave none; without --preset, the seed model at batch 8 and sequence 128."""
-    preset_model, preset_train = split_settings(load_yaml(preset_path(args.preset))) if args.preset else ({}, {})
+    preset_model, preset_train = preset_settings(args.preset) if args.preset else ({}, {})
     args.model_settings = preset_model
     args.batch_size = args.batch_size or preset_train.get("batch_size", 8)
     args.seq_len = args.seq_len or preset_train.get("seq_len", 128)

@@ -6,7 +6,7 @@
     python tune_norm_backward.py --features 1024 --candidates 4,8,2,1 2,4,2,1
 
 kernels/add_rmsnorm.py launches its backward kernel by rules of the row width (`_backward_tile`,
-`_backward_program_count`, `_prefetches`): rows per tile, warps, programs per SM, and whether the next tile is
+`_programs_per_sm`, `_prefetches`): rows per tile, warps, programs per SM, and whether the next tile is
 loaded before the current one is computed. Each candidate here is ROWS,WARPS,PROGRAMS_PER_SM,PREFETCH (0 or 1)
 and replaces those rules at this width only. The first row of the table is the rules' own launch.
 
@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser, positive_int  # noqa: E402
-from tinytransformer.config import ModelConfig, available_presets, load_yaml, preset_path, split_settings  # noqa: E402
-from tinytransformer.triton_support import enable_interpreter_if_no_gpu, is_gpu, multiprocessor_count  # noqa: E402
+from tinytransformer.config import ModelConfig, available_presets, preset_settings  # noqa: E402
+from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
 
 enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
 
@@ -80,7 +80,7 @@ def parse_args(argv):
     block_d = triton.next_power_of_2(args.features)
     args.candidates = [c for c in args.candidates if c[0] * block_d <= MAX_TILE_ELEMENTS]
     if args.in_step:
-        width = ModelConfig(**split_settings(load_yaml(preset_path(args.in_step)))[0]).hidden_dim
+        width = ModelConfig(**preset_settings(args.in_step)[0]).hidden_dim
         if triton.next_power_of_2(width) != block_d:
             parser.error(f"--in-step {args.in_step}: its rows are {width} features wide, not {args.features}; "
                          f"pass --features {width}")
@@ -90,36 +90,26 @@ def parse_args(argv):
 
 
 class Override:
-    """Replaces the backward kernel's launch rules for rows of block_d features (None: the rules as they are),
-    inside a `with` block."""
+    """Replaces the backward kernel's launch rules (_backward_tile, _programs_per_sm, _prefetches) for rows of
+    block_d features (None: the rules as they are), inside a `with` block."""
 
     def __init__(self, block_d: int, launch):
         self.block_d, self.launch = block_d, launch
-        self.saved = (norm._backward_tile, norm._backward_program_count, norm._prefetches)
+        self.saved = (norm._backward_tile, norm._programs_per_sm, norm._prefetches)
 
     def __enter__(self):
         if self.launch is None:
             return self
-        tile, count, prefetches = self.saved
+        tile, per_sm_rule, prefetches = self.saved
         rows, warps, per_sm, prefetch = self.launch
-
-        def backward_tile(block_d, n_rows, device):
-            return (rows, warps) if block_d == self.block_d else tile(block_d, n_rows, device)
-
-        def program_count(n_rows, block_rows, block_d, device):
-            if block_d != self.block_d:
-                return count(n_rows, block_rows, block_d, device)
-            sms = multiprocessor_count(device) if is_gpu(device) else 1   # the interpreter: per_sm programs
-            target = min(per_sm * sms, triton.cdiv(n_rows, block_rows))
-            rows_per_program = triton.cdiv(n_rows, target)
-            return triton.cdiv(n_rows, rows_per_program), rows_per_program
-
-        norm._backward_tile, norm._backward_program_count = backward_tile, program_count
-        norm._prefetches = lambda block_d: prefetch if block_d == self.block_d else prefetches(block_d)
+        ours = lambda block_d: block_d == self.block_d  # noqa: E731
+        norm._backward_tile = lambda block_d, *rest: (rows, warps) if ours(block_d) else tile(block_d, *rest)
+        norm._programs_per_sm = lambda block_d: per_sm if ours(block_d) else per_sm_rule(block_d)
+        norm._prefetches = lambda block_d: prefetch if ours(block_d) else prefetches(block_d)
         return self
 
     def __exit__(self, *exc):
-        norm._backward_tile, norm._backward_program_count, norm._prefetches = self.saved
+        norm._backward_tile, norm._programs_per_sm, norm._prefetches = self.saved
 
 
 def make_inputs(n_rows, n_features, device="cuda"):

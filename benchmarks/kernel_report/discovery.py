@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from tinytransformer import triton_support
-from tinytransformer.config import ModelConfig, TrainConfig, load_yaml, preset_path, split_settings
+from tinytransformer.config import ModelConfig, TrainConfig, preset_settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,7 +63,7 @@ def _stand_in(value):
 
 
 def preset_configs(preset: str) -> tuple[ModelConfig, TrainConfig]:
-    model, train = split_settings(load_yaml(preset_path(preset)))
+    model, train = preset_settings(preset)
     config = ModelConfig(**model)
     config.validate()
     return config, TrainConfig(**train)

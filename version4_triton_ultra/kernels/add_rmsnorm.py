@@ -408,12 +408,12 @@ def _backward_program_count(n_rows, block_rows, block_d, device):
     (the medium and large presets' batch x sequence), bfloat16 gradients: on an H100 (132 SMs), every tile and
     warp count swept, at 2,048 features 131.5 us a call with 2 programs per SM against 152.6 us or more with 4
     (same tile and warps), at 1,024 features 69.4 against 71.6 us; on an H200 at 512 features 27.5 us against
-    30.3 with 4 (8-row tiles, 4 warps, no prefetch; with 4-row tiles and the prefetch, 2 per SM took 25.2 us). The outputs matched. Rows of 256 features (the seed and
-    tiny presets) were tuned with 4 in the graph-captured step and keep it. None of this was measured on an AMD
-    GPU (the same rule applies there, per compute unit).
+    30.3 with 4 (8-row tiles, 4 warps, no prefetch; with 4-row tiles and the prefetch, 2 per SM took 25.2 us).
+    The outputs matched. Rows of 256 features (the seed and tiny presets) were tuned with 4 in the graph-captured
+    step and keep it. None of this was measured on an AMD GPU (the same rule applies there, per compute unit).
     """
     if is_gpu(device) and not interpreter_active():
-        target = (2 if block_d >= WIDE_FROM_FEATURES else 4) * multiprocessor_count(device)
+        target = _programs_per_sm(block_d) * multiprocessor_count(device)
     elif small_interpreter_blocks():
         target = 4  # the interpreter runs programs one after another: a few are enough to test the loop
     else:
@@ -421,6 +421,11 @@ def _backward_program_count(n_rows, block_rows, block_d, device):
     target = min(target, triton.cdiv(n_rows, block_rows))
     rows_per_program = triton.cdiv(n_rows, target)
     return triton.cdiv(n_rows, rows_per_program), rows_per_program
+
+
+def _programs_per_sm(block_d: int) -> int:
+    """Backward programs per SM (compute unit) on a GPU for rows of block_d features (see above)."""
+    return 2 if block_d >= WIDE_FROM_FEATURES else 4
 
 
 _TICKET_COUNTERS = {}

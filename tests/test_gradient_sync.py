@@ -27,14 +27,16 @@ def context_of(rank: int, world: int) -> distributed.DistributedContext:
 
 
 def two_rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    """Each rank: gradients that differ by rank, one parameter without a gradient; then loss_scale and sum_."""
+    """Each rank: gradients that differ by rank, one parameter without a gradient; then loss_scale and sum_.
+    With the small-gradient limit at 10 values, c (7) and d (4) travel together in one buffer, a (15) alone."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)   # the same weights and inputs on every rank: only the rank factor differs
-        a, unused, c = (torch.nn.Parameter(torch.randn(shape)) for shape in [(3, 5), (4,), (7,)])
+        a, unused, c, d = (torch.nn.Parameter(torch.randn(shape)) for shape in [(3, 5), (4,), (7,), (2, 2)])
         x = torch.randn(5)
         sync = GradientAllReduce(context_of(rank, world))
-        loss = (rank + 1) * ((a @ x).sum() + (c ** 2).sum())
+        sync.SMALL_GRADIENT_ELEMENTS = 10
+        loss = (rank + 1) * ((a @ x).sum() + (c ** 2).sum() + (d ** 3).sum())
         (loss * sync.loss_scale).backward()
         reduced = []
         original = dist.all_reduce
@@ -45,11 +47,12 @@ def two_rank_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
         dist.all_reduce = recording
         try:
-            sync.sum_([a, unused, c])
+            sync.sum_([a, unused, c, d])
         finally:
             dist.all_reduce = original
-        torch.save({"a": a.grad, "unused": unused.grad, "c": c.grad, "order": reduced, "scale": sync.loss_scale,
-                    "x": x, "a_value": a.detach(), "c_value": c.detach()}, Path(out_dir) / f"rank{rank}.pt")
+        torch.save({"a": a.grad, "unused": unused.grad, "c": c.grad, "d": d.grad, "order": reduced,
+                    "scale": sync.loss_scale, "x": x, "a_value": a.detach(), "c_value": c.detach(),
+                    "d_value": d.detach()}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -61,25 +64,28 @@ def test_two_ranks_hold_the_mean_gradient_after_scale_and_sum(tmp_path):
     for got in results:
         assert got["scale"] == 0.5
         assert got["unused"] is None                            # no gradient: skipped, not created
-        assert got["order"] == [(3, 5), (7,)]                   # the given order, without the skipped one
+        assert got["order"] == [(7 + 4,), (3, 5)]   # the small ones in one buffer first, then a; none for unused
         torch.testing.assert_close(got["a"], mean_factor * got["x"].expand(3, 5), rtol=1e-6, atol=0)
         torch.testing.assert_close(got["c"], mean_factor * 2 * got["c_value"], rtol=1e-6, atol=0)
-    assert torch.equal(results[0]["a"], results[1]["a"]) and torch.equal(results[0]["c"], results[1]["c"])
+        torch.testing.assert_close(got["d"], mean_factor * 3 * got["d_value"] ** 2, rtol=1e-6, atol=0)
+    for name in "acd":
+        assert torch.equal(results[0][name], results[1][name])
 
 
 def started_sums_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    """Each rank: start_sum on two parameters (one without a gradient), then the rest with sum_, then finish."""
+    """Each rank: start_sum on three parameters (one without a gradient, two small ones that travel together),
+    then the rest with sum_, then finish."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        grads = [torch.full((3,), float(rank + 1)), None, torch.arange(4.0) * (rank + 1)]
-        params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2)),
-                  torch.nn.Parameter(torch.zeros(4))]
+        grads = [torch.full((3,), float(rank + 1)), None, torch.arange(4.0) * (rank + 1),
+                 torch.full((2, 2), -2.0 * (rank + 1))]
+        params = [torch.nn.Parameter(torch.zeros(grad.shape if grad is not None else 2)) for grad in grads]
         for param, grad in zip(params, grads):
             param.grad = grad
         sync = GradientAllReduce(context_of(rank, world))
-        handles = sync.start_sum(params[:2])
+        handles = sync.start_sum([params[0], params[1], params[3]])
         started = len(handles)
-        sync.sum_(params[2:])   # issued while the first is in flight: the same order on every rank
+        sync.sum_(params[2:3])   # issued while the first is in flight: the same order on every rank
         sync.finish(handles)
         torch.save({"grads": [p.grad for p in params], "started": started, "left": len(handles)},
                    Path(out_dir) / f"rank{rank}.pt")
@@ -91,10 +97,11 @@ def test_started_sums_finish_with_the_sum_over_the_ranks(tmp_path):
     mp.spawn(started_sums_worker, args=(2, distributed.free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
-        assert got["started"] == 1 and got["left"] == 0   # no handle for a missing gradient; finish empties
+        assert got["started"] == 1 and got["left"] == 0   # one buffer for the two small ones; finish empties
         torch.testing.assert_close(got["grads"][0], torch.full((3,), 3.0), rtol=0, atol=0)
         assert got["grads"][1] is None
         torch.testing.assert_close(got["grads"][2], torch.arange(4.0) * 3, rtol=0, atol=0)
+        torch.testing.assert_close(got["grads"][3], torch.full((2, 2), -6.0), rtol=0, atol=0)
 
 
 @pytest.fixture

@@ -337,18 +337,22 @@ def test_model_groups_each_layers_weights_complete_before_layer0s_backward():
     model = TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=3, num_heads=2, intermediate_size=64,
                                   max_seq_len=16))
     optimizer = model.configure_optimizer(TrainConfig())
-    last, middle, rest = optimizer.param_groups
-    assert (last["layer"], middle["layer"], rest.get("layer")) == (2, 1, None)   # the order backward reaches them
+    last, middle, bottom, rest = optimizer.param_groups
+    # The order backward reaches them, then the rest (the embedding and the norms).
+    assert (last["layer"], middle["layer"], bottom["layer"], rest.get("layer")) == (2, 1, 0, None)
     names = {id(p): name for name, p in model.named_parameters()}
     assert sorted(names[id(p)] for p in last["params"]) == sorted(
         [f"layers.2.{m}.weight" for m in PROJECTIONS] + ["lm_head.weight"])
     assert sorted(names[id(p)] for p in middle["params"]) == sorted(f"layers.1.{m}.weight" for m in PROJECTIONS)
+    assert sorted(names[id(p)] for p in bottom["params"]) == sorted(f"layers.0.{m}.weight" for m in PROJECTIONS)
     early = last["params"] + middle["params"]
     assert sorted(map(id, early)) == sorted(map(id, weights_final_before_layer0(model)))
-    assert sorted(names[id(p)] for p in early + rest["params"]) == sorted(names.values())
+    assert sorted(names[id(p)] for p in early + bottom["params"] + rest["params"]) == sorted(names.values())
+    assert all(names[id(p)] == "embed_tokens.weight" or "norm" in names[id(p)] for p in rest["params"])
     one_layer = TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=1, num_heads=2,
                                       intermediate_size=64, max_seq_len=16))
-    assert len(one_layer.configure_optimizer(TrainConfig()).param_groups) == 1
+    groups = one_layer.configure_optimizer(TrainConfig()).param_groups
+    assert [group.get("layer") for group in groups] == [0, None]
 
 
 def test_the_early_update_runs_once_layer0_is_all_that_is_left(device):

@@ -27,7 +27,7 @@ class GraphedStep(GraphReplayedStep):
     model's WeightGradientStream on or off).
 
     The optimizer runs mostly inside the backward pass. TritonAdamW gets one parameter group per layer from the
-    last down to layer 1 (the output head with the last), then the rest (layer 0, the norms, the embedding):
+    last down to layer 0 (the output head with the last), then the rest (the norms, the embedding):
     model.configure_optimizer tags each group with its layer. Once the backward pass has queued layer k's
     weight-gradient GEMMs (the model's layer_gradients_queued hook), the second stream updates layer k+1's
     weights, whose gradients are complete and which no later part of the backward pass reads; layer 1's are
@@ -42,8 +42,10 @@ class GraphedStep(GraphReplayedStep):
     would miss the gradients the weight-gradient stream writes. The loss is scaled by 1/ranks before backward and
     the gradients are summed, as early as each is complete: layer k's projection weights (with the last layer,
     the output head) on the second stream right after their GEMMs, at the same hook, while the layers below
-    compute theirs, as DDP's gradient buckets do; the embedding's and the norms' on the main stream as soon as
-    backward() returns, beside the second stream's last work; layer 0's projections after the two streams join.
+    compute theirs, as DDP's gradient buckets do; once backward() has returned, the embedding's and the norms'
+    (the norms' in one buffer) on the main stream, then layer 0's projections on the second stream after their
+    GEMMs. The second stream updates layers 1 and 0 (layer 0's once its sums are done), the main stream the
+    embedding and the norms once theirs are, rather than one update of everything left after all of the sums.
     The eager warm-up steps take the same path: their all-reduces are real, and they set NCCL's communication up
     before the capture (check_arguments requires --graph-warmup-steps >= 1).
     """
@@ -99,6 +101,20 @@ class GraphedStep(GraphReplayedStep):
         # backward is left (without data parallel), or once backward() has returned (with it, see _step).
         self.model.weight_grad_stream.run_after_queued(lambda: self._update_layer(1))
 
+    def _sum_and_update_bottom_layers(self, layer_one_at_the_end: bool) -> None:
+        """Under data parallel, once backward() has returned and the embedding's and the norms' all-reduces have
+        started: on the second stream, after layer 0's weight GEMMs, start layer 0's all-reduces, update layer 1
+        (whose sums finished during layer 0's backward) and, once its sums are done, layer 0. The main stream
+        meanwhile updates the embedding and the norms (the optimizer step's rest) once their sums are done, instead
+        of one update of everything left after all of the sums."""
+        def work():
+            self.layer_sums[0] = self._start_sums(self.model.layer_projection_parameters(0))
+            if layer_one_at_the_end:   # its all-reduces have had layer 0's weight GEMMs to finish
+                self._update_layer(1)
+            if self.updates_early and 0 in self.layer_groups:
+                self._update_layer(0)
+        self.model.weight_grad_stream.run_after_queued(work)
+
     def _start_main_stream_sums(self) -> None:
         # backward() has returned: the main stream has queued the gradients autograd computes itself (the
         # embedding's, the norms'). Layer 0's projections are written by the second stream: summed after the join.
@@ -134,9 +150,9 @@ class GraphedStep(GraphReplayedStep):
                 (loss * self.gradient_sync.loss_scale if self.gradient_sync is not None else loss).backward()
                 if self.sums_by_layer:
                     self._start_main_stream_sums()
-                if layer_one_at_the_end:   # its all-reduces have had layer 0's weight GEMMs to finish
-                    self._update_layer_one()
-                self.model.join_weight_gradients()   # with the second stream: its GEMMs finish before the optimizer
+                    self._sum_and_update_bottom_layers(layer_one_at_the_end)
+                if not self.sums_by_layer or not self.updates_early:
+                    self.model.join_weight_gradients()   # the second stream's GEMMs finish before the optimizer
         finally:
             self.model.early_update = self.model.layer_gradients_queued = None
         with profile_range("optimizer"):
@@ -148,6 +164,8 @@ class GraphedStep(GraphReplayedStep):
                 self.optimizer.step_groups(rest)
             else:
                 self.optimizer.step()
+            if self.sums_by_layer and self.updates_early:
+                self.model.join_weight_gradients()   # layer 0 and 1's updates, which ran beside the rest's
         return loss.detach()
 
     def _capture(self, inputs, targets):

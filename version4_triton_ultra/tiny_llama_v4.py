@@ -38,7 +38,7 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      pass has left a layer, its projection weights (for the last layer, the output head's too) have their final
      gradients and nothing reads them any more: the optimizer updates them one layer later, on the second
      stream, while the main stream runs the backward pass of the layers below (CallDuringBackward, one
-     optimizer group per layer); the rest (layer 0, the norms, the embedding) after the backward pass. With
+     optimizer group per layer); layer 0 and the rest (the norms, the embedding) after the backward pass. With
      --torch-adamw the bfloat16 weight copy runs on the second stream instead, beside the embedding lookup and
      first norm, which do not need it. Under torchrun the step also averages the gradients over the ranks with
      all-reduces captured in the graph, instead of the DDP wrapper
@@ -354,10 +354,11 @@ class TinyLlama(nn.Module):
         hyper = dict(lr=train.learning_rate, betas=(0.9, 0.95), weight_decay=train.weight_decay)
         self.optimizer_writes_copies = self.use_triton_adamw and not train.uses_deepspeed
         if self.optimizer_writes_copies:
-            # One group per layer from the last down to layer 1, tagged with its layer: GraphedStep updates each
-            # during the backward pass, once the layer below has queued its weight gradients. Then the rest.
+            # One group per layer from the last down to layer 0, tagged with its layer: GraphedStep updates each
+            # during the backward pass, once the layer below has queued its weight gradients (layer 0's, and
+            # under data parallel layer 1's, once backward() has returned). Then the rest.
             by_layer = [{"params": self.layer_projection_parameters(k), "layer": k}
-                        for k in range(len(self.layers) - 1, 0, -1)]
+                        for k in range(len(self.layers) - 1, -1, -1)]
             early_ids = {id(p) for group in by_layer for p in group["params"]}
             rest = [p for p in self.parameters() if id(p) not in early_ids]
             return TritonAdamW(by_layer + [{"params": rest}], sixteen_bit_copies=self.sixteen_bit_copies, **hyper)

@@ -98,7 +98,7 @@ class GraphedStep(GraphReplayedStep):
 
     def _update_layer_one(self) -> None:
         # Layer 1's weights, on the second stream after everything queued so far: called when only layer 0's
-        # backward is left (without data parallel), or once backward() has returned (with it, see _step).
+        # backward is left. Under data parallel _sum_and_update_bottom_layers updates it instead.
         self.model.weight_grad_stream.run_after_queued(lambda: self._update_layer(1))
 
     def _sum_and_update_bottom_layers(self, layer_one_at_the_end: bool) -> None:
@@ -117,7 +117,8 @@ class GraphedStep(GraphReplayedStep):
 
     def _start_main_stream_sums(self) -> None:
         # backward() has returned: the main stream has queued the gradients autograd computes itself (the
-        # embedding's, the norms'). Layer 0's projections are written by the second stream: summed after the join.
+        # embedding's, the norms'). Layer 0's projections are written by the second stream, and summed there
+        # (_sum_and_update_bottom_layers).
         on_second_stream = {id(p) for p in self.model.layer_projection_parameters(0)}
         self.main_sums = self._start_sums(p for p in self.model.parameters() if id(p) not in on_second_stream)
 
@@ -135,6 +136,9 @@ class GraphedStep(GraphReplayedStep):
         # that no other backward pass through the model (an eager step, a check) updates or sums anything.
         hooked = self.updates_early or self.sums_by_layer
         layer_one_at_the_end = self.updates_early and self.gradient_sync is not None and 1 in self.layer_groups
+        # Under data parallel with early updates, the main stream updates the rest before it joins the second
+        # stream, which meanwhile sums and updates layers 1 and 0 (_sum_and_update_bottom_layers).
+        joins_after_rest = self.sums_by_layer and self.updates_early
         self.model.early_update = self._update_layer_one if self.updates_early and not layer_one_at_the_end else None
         self.model.layer_gradients_queued = self._layer_gradients_queued if hooked else None
         self.layer_sums, self.main_sums, self.summed_params, self.updated_groups = {}, [], set(), set()
@@ -151,7 +155,7 @@ class GraphedStep(GraphReplayedStep):
                 if self.sums_by_layer:
                     self._start_main_stream_sums()
                     self._sum_and_update_bottom_layers(layer_one_at_the_end)
-                if not self.sums_by_layer or not self.updates_early:
+                if not joins_after_rest:
                     self.model.join_weight_gradients()   # the second stream's GEMMs finish before the optimizer
         finally:
             self.model.early_update = self.model.layer_gradients_queued = None
@@ -159,13 +163,15 @@ class GraphedStep(GraphReplayedStep):
             # The groups the backward pass did not update: the rest, and any layer whose hook never came (a
             # backward pass that stops early, e.g. with the layers below frozen, leaves them to this point).
             rest = [index for index in range(len(self.optimizer.param_groups)) if index not in self.updated_groups]
+            if joins_after_rest and any(index in self.layer_groups.values() for index in rest):
+                self.model.join_weight_gradients()   # a layer left to here: its gradients come from the second stream
             self._finish_after_backward(rest)   # the updated groups' sums were finished before their updates
             if self.updated_groups:
                 self.optimizer.step_groups(rest)
             else:
                 self.optimizer.step()
-            if self.sums_by_layer and self.updates_early:
-                self.model.join_weight_gradients()   # layer 0 and 1's updates, which ran beside the rest's
+            if joins_after_rest:
+                self.model.join_weight_gradients()   # layers 1 and 0, updated on the second stream beside the rest
         return loss.detach()
 
     def _capture(self, inputs, targets):

@@ -171,7 +171,7 @@ def environment(device: str) -> dict:
         info["gpus_visible"] = torch.cuda.device_count()
         info["backend"] = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
     for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "NCCL_IB_DISABLE",
-                 "NCCL_SOCKET_IFNAME"):
+                 "NCCL_SOCKET_IFNAME", "TORCH_NCCL_HIGH_PRIORITY"):
         if name in os.environ:
             info.setdefault("environment", {})[name] = os.environ[name]
     return info

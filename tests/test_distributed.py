@@ -467,3 +467,13 @@ def test_two_gpus_equal_one_gpu(version, flags, tmp_path):
     if version == "v4":   # the graph-captured step, averaging its own gradients (test_v4_data_parallel.py)
         assert "averages gradients inside its CUDA/HIP-graph step" in two.stdout
         assert "gradients averaged in v4's own step" in two.stdout and "eager step" not in two.stdout
+
+
+def test_nccl_collectives_run_on_a_high_priority_stream_unless_switched_off(monkeypatch):
+    class Options:   # dist.ProcessGroupNCCL.Options, which a build without NCCL (this CPU one) does not have
+        is_high_priority_stream = False
+    monkeypatch.setattr(torch.distributed, "ProcessGroupNCCL", SimpleNamespace(Options=Options), raising=False)
+    monkeypatch.delenv("TORCH_NCCL_HIGH_PRIORITY", raising=False)
+    assert distributed.nccl_options().is_high_priority_stream
+    monkeypatch.setenv("TORCH_NCCL_HIGH_PRIORITY", "0")
+    assert not distributed.nccl_options().is_high_priority_stream

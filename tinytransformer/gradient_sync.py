@@ -7,8 +7,9 @@ autograd never sees those gradients and DDP's hooks would never fire for them; a
 (buckets, the "ready" counts of each backward pass) is host logic that a replayed CUDA/HIP graph would skip. So
 that step averages the gradients itself, with plain all-reduces that the graph captures like any other kernel:
 a synchronous `dist.all_reduce` on the current stream. PyTorch's NCCL process group (RCCL on ROCm) runs it on a
-stream of its own, ordered after the current stream and back with events, and stream capture records those
-events, so the collective becomes a node of the graph and runs again at every replay.
+stream of its own (a high-priority one: distributed.nccl_options), ordered after the current stream and back with
+events, and stream capture records those events, so the collective becomes a node of the graph and runs again at
+every replay.
 
 Why the loss is scaled instead of the gradients divided. The average gradient over N ranks is
 sum_r grad_r / N. The step multiplies its loss by `loss_scale` = 1/N before backward, so each rank's gradients

@@ -170,6 +170,8 @@ def environment(device: str) -> dict:
         info["gpu"] = torch.cuda.get_device_name()
         info["gpus_visible"] = torch.cuda.device_count()
         info["backend"] = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
+        from tinytransformer.distributed import nccl_high_priority   # imports torch's distributed package
+        info["nccl_high_priority_stream"] = nccl_high_priority()   # distributed.nccl_options (absent: before it)
     for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "NCCL_IB_DISABLE",
                  "NCCL_SOCKET_IFNAME", "TORCH_NCCL_HIGH_PRIORITY"):
         if name in os.environ:

@@ -470,10 +470,16 @@ def test_two_gpus_equal_one_gpu(version, flags, tmp_path):
 
 
 def test_nccl_collectives_run_on_a_high_priority_stream_unless_switched_off(monkeypatch):
+    assert distributed.nccl_high_priority({})
+    for value in ("1", "yes", "true"):
+        assert distributed.nccl_high_priority({"TORCH_NCCL_HIGH_PRIORITY": value})
+    for value in ("0", "false", "No", " off "):
+        assert not distributed.nccl_high_priority({"TORCH_NCCL_HIGH_PRIORITY": value})
+
     class Options:   # dist.ProcessGroupNCCL.Options, which a build without NCCL (this CPU one) does not have
         is_high_priority_stream = False
     monkeypatch.setattr(torch.distributed, "ProcessGroupNCCL", SimpleNamespace(Options=Options), raising=False)
-    monkeypatch.delenv("TORCH_NCCL_HIGH_PRIORITY", raising=False)
-    assert distributed.nccl_options().is_high_priority_stream
-    monkeypatch.setenv("TORCH_NCCL_HIGH_PRIORITY", "0")
-    assert not distributed.nccl_options().is_high_priority_stream
+    assert distributed.nccl_options({}).is_high_priority_stream
+    assert not distributed.nccl_options({"TORCH_NCCL_HIGH_PRIORITY": "0"}).is_high_priority_stream
+    monkeypatch.delattr(torch.distributed, "ProcessGroupNCCL")
+    assert distributed.nccl_options({}) is None   # no NCCL in this torch: torch reports the backend itself

@@ -190,16 +190,21 @@ def test_two_ranks_averaging_their_own_gradients_equal_one_process(tmp_path):
 # --grad-reduce-dtype bfloat16: the sums travel and are added in bfloat16, the gradients stay float32
 # ----------------------------------------------------------------------------------------------------------
 def bfloat16_sums_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    """Each rank: gradients that need more than bfloat16's 8 bits of mantissa; sum_ one, start_sum + finish one."""
+    """Each rank: gradients that need more than bfloat16's 8 bits of mantissa, the 64-value ramp: two [8, 8]
+    gradients each summed alone (sum_, and start_sum + finish) and the ramp in two [2, 4] halves of its first 16
+    values, which travel in one buffer (the small-gradient limit set to 16 values)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         context = dataclasses.replace(context_of(rank, world), grad_reduce_dtype="bfloat16")
         sync = GradientAllReduce(context)
-        params = [torch.nn.Parameter(torch.zeros(64)) for _ in range(2)]
-        for param in params:
-            param.grad = (1.0 + torch.arange(64.0) / 1024) * (rank + 1)
-        sync.sum_(params[:1])
-        handles = sync.start_sum(params[1:])
+        sync.SMALL_GRADIENT_ELEMENTS = 16
+        ramp = (1.0 + torch.arange(64.0) / 1024) * (rank + 1)
+        grads = [ramp.view(8, 8), ramp.view(8, 8).clone(), ramp[:8].view(2, 4), ramp[8:16].view(2, 4)]
+        params = [torch.nn.Parameter(torch.zeros(grad.shape)) for grad in grads]
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        sync.sum_([params[0], params[2], params[3]])
+        handles = sync.start_sum(params[1:2])
         sync.finish(handles)
         torch.save({"grads": [p.grad for p in params], "described": sync.describe("v4's own step")},
                    Path(out_dir) / f"rank{rank}.pt")
@@ -215,9 +220,10 @@ def test_bfloat16_sums_are_rounded_once_and_written_back_in_float32(tmp_path):
     assert not torch.equal(expected, 3 * ramp)   # the rounding is visible: a float32 sum would fail this test
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
-        for grad in got["grads"]:
-            assert grad.dtype == torch.float32
-            torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+        for grad, want in zip(got["grads"], [expected.view(8, 8)] * 2 + [expected[:8].view(2, 4),
+                                                                          expected[8:16].view(2, 4)]):
+            assert grad.dtype == torch.float32 and grad.shape == want.shape
+            torch.testing.assert_close(grad, want, rtol=0, atol=0)
         assert got["described"].endswith("(gloo), summed in bfloat16")
 
 

@@ -22,21 +22,37 @@ from version4_triton_ultra.tiny_llama_v4 import TinyLlama
 
 
 class StreamStandIn:
-    """The weight-gradient stream, with every GEMM run when it is queued."""
+    """The weight-gradient stream, with every GEMM run when it is queued. It also tracks which stream the host is
+    issuing work to (the second one inside run_after_queued) and which gradients the second stream has written
+    since the main stream last joined it: the main stream must not read those before it joins."""
 
     def __init__(self, on_gemm):
         self.on_gemm = on_gemm
+        self.on_second_stream = False
+        self.unjoined = set()          # ids of weights whose gradient the second stream wrote since the last join
+        self.work_since_join = False   # the step must end with the main stream joined to the second
 
     def queue(self, weight, grad_y, x):
         self.on_gemm(weight)
         gradient = grad_y.T.float() @ x.float()
         weight.grad = gradient if weight.grad is None else weight.grad + gradient
+        self.unjoined.add(id(weight))
+        self.work_since_join = True
 
     def run_after_queued(self, work):
-        work()
+        self.on_second_stream, self.work_since_join = True, True
+        try:
+            work()
+        finally:
+            self.on_second_stream = False
 
     def join(self):
-        pass
+        self.unjoined.clear()
+        self.work_since_join = False
+
+    def read_too_early(self, param) -> bool:
+        """Whether reading param's gradient now, on the stream the host issues to, would race the second stream."""
+        return not self.on_second_stream and id(param) in self.unjoined
 
 
 class Handle:
@@ -51,10 +67,12 @@ class AllReduceStandIn:
     """GradientAllReduce's interface: counts each parameter's all-reduces and keeps every handle."""
     loss_scale = 1.0
 
-    def __init__(self):
+    def __init__(self, on_read=lambda param: None):
         self.counts, self.handles = {}, {}
+        self.on_read = on_read   # an all-reduce reads the gradient
 
     def _count(self, param):
+        self.on_read(param)
         self.counts[id(param)] = self.counts.get(id(param), 0) + 1
 
     def sum_(self, params):
@@ -82,17 +100,25 @@ CASE_IDS = [f"L{n}-{'dp' if dp else 'one'}-{'2streams' if two else '1stream'}-{'
             for n, dp, two, triton in CASES]
 
 
-@pytest.mark.parametrize("layers, data_parallel, second_stream, triton_adamw", CASES, ids=CASE_IDS)
-def test_one_step_updates_and_sums_everything_once_in_a_safe_order(layers, data_parallel, second_stream,
-                                                                    triton_adamw, monkeypatch):
+def one_step(monkeypatch, layers, data_parallel, second_stream, triton_adamw, frozen=()):
+    """Build a model of `layers` layers (with the named parameters frozen), run one GraphedStep._step with the
+    stand-ins, and return what the checks need: (model, optimizer, step, sync, stream, updates, problems)."""
     monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)   # GraphedStep's own side stream
     model = TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=layers, num_heads=2,
                                   intermediate_size=64, max_seq_len=16))
+    for name, param in model.named_parameters():
+        param.requires_grad_(not any(name.startswith(prefix) for prefix in frozen))
     model.use_triton_adamw = triton_adamw
     optimizer = model.configure_optimizer(TrainConfig())
     names = {id(p): name for name, p in model.named_parameters()}
     updated, problems, updates = set(), [], []
-    sync = AllReduceStandIn() if data_parallel else None
+
+    def main_stream_reads(param):
+        stream = model.weight_grad_stream
+        if stream is not None and stream.read_too_early(param):
+            problems.append(f"gradient of {names[id(param)]} read on the main stream before it joined the second")
+
+    sync = AllReduceStandIn(main_stream_reads) if data_parallel else None
 
     def gemm_writes(weight):
         if id(weight) in updated:
@@ -109,6 +135,7 @@ def test_one_step_updates_and_sums_everything_once_in_a_safe_order(layers, data_
         for param in params:
             if param.grad is None:
                 continue
+            main_stream_reads(param)
             if sync is not None:
                 handle = sync.handles.get(id(param))   # None: summed synchronously (sum_)
                 if sync.counts.get(id(param)) != 1 or (handle is not None and not handle.waited):
@@ -138,15 +165,43 @@ def test_one_step_updates_and_sums_everything_once_in_a_safe_order(layers, data_
     ids = torch.randint(0, 64, (2, 8))
     with torch.autograd.graph.saved_tensors_hooks(lambda saved: saved, unpack):
         step._step(ids, ids)
+    stream = model.weight_grad_stream
+    if stream is not None and stream.work_since_join:
+        problems.append("the step ended before the main stream joined the second stream")
+    return model, optimizer, step, sync, stream, updates, problems
 
+
+def assert_summed_once_and_waited(model, sync):
+    with_gradients = {id(p) for p in model.parameters() if p.grad is not None}
+    assert set(sync.counts) == with_gradients and set(sync.counts.values()) == {1}
+    assert all(handle.waited for handle in sync.handles.values())
+
+
+@pytest.mark.parametrize("layers, data_parallel, second_stream, triton_adamw", CASES, ids=CASE_IDS)
+def test_one_step_updates_and_sums_everything_once_in_a_safe_order(layers, data_parallel, second_stream,
+                                                                    triton_adamw, monkeypatch):
+    model, optimizer, step, sync, _, updates, problems = one_step(monkeypatch, layers, data_parallel,
+                                                                  second_stream, triton_adamw)
     assert not problems, problems
     assert sorted(updates) == list(range(len(optimizer.param_groups)))   # every group once
     if data_parallel:
-        with_gradients = {id(p) for p in model.parameters() if p.grad is not None}
-        assert set(sync.counts) == with_gradients and set(sync.counts.values()) == {1}
-        assert all(handle.waited for handle in sync.handles.values())
-    if second_stream and triton_adamw and layers > 1:
+        assert_summed_once_and_waited(model, sync)
+    if second_stream and triton_adamw:
         # The layer groups were updated inside the step's backward part, layer 0's too under data parallel
         # (beside the rest's update); in one process layer 0's waits for the rest.
         expected = {index for layer, index in step.layer_groups.items() if data_parallel or layer > 0}
         assert step.updated_groups == expected
+
+
+@pytest.mark.parametrize("triton_adamw", [True, False], ids=["triton", "torch"])
+def test_a_layer_whose_hook_never_comes_is_summed_and_updated_after_the_join(triton_adamw, monkeypatch):
+    """Layers 0 and 1, the embedding and layer 2's first norm frozen: the backward pass stops inside layer 2, so
+    the hook that would announce layer 2's gradients never comes. Its projections' gradients, written on the
+    second stream, must still be summed once, and read on the main stream only after the join."""
+    frozen = ("embed_tokens.", "layers.0.", "layers.1.", "layers.2.attention_norm.")
+    model, optimizer, step, sync, stream, updates, problems = one_step(monkeypatch, 3, True, True, triton_adamw,
+                                                                       frozen=frozen)
+    assert not problems, problems
+    assert model.layers[2].attention.qkv_proj.weight.grad is not None and model.embed_tokens.weight.grad is None
+    assert_summed_once_and_waited(model, sync)
+    assert sorted(updates) == list(range(len(optimizer.param_groups)))

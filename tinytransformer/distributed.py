@@ -188,24 +188,38 @@ def setup(train: TrainConfig, device: torch.device, env=os.environ) -> Distribut
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)   # before any CUDA work: kernels, NCCL and the allocator use this GPU
     # device_id binds NCCL's communicator to this GPU at once (instead of at the first collective).
-    init_kwargs = {"device_id": device, "pg_options": nccl_options()} if backend == "nccl" else {}
+    init_kwargs = {"device_id": device} if backend == "nccl" else {}
+    options = nccl_options(env) if backend == "nccl" else None
+    if options is not None:
+        init_kwargs["pg_options"] = options
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **init_kwargs)
     engine = "deepspeed" if train.uses_deepspeed else "ddp"
     return DistributedContext(True, rank, local_rank, world_size, backend, engine, device, train.grad_reduce_dtype)
 
 
-def nccl_options():
-    """The NCCL (RCCL) process group's options: its collectives on a high-priority stream.
+def nccl_high_priority(env=os.environ) -> bool:
+    """Whether NCCL's (RCCL's) collectives run on a high-priority stream: yes unless TORCH_NCCL_HIGH_PRIORITY says
+    0, false, no or off. The variable is PyTorch's own, whose default is a normal-priority stream; ours is high."""
+    return env.get("TORCH_NCCL_HIGH_PRIORITY", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def nccl_options(env=os.environ):
+    """The NCCL (RCCL) process group's options: its collectives on a high-priority stream (nccl_high_priority),
+    for every version's data parallelism (DDP's buckets, version 4's all-reduces in its graph, DeepSpeed).
+    None where this PyTorch has no NCCL process group (torch then reports the missing backend itself).
 
     Why. A collective overlapped with the backward pass competes for the GPU's SMs with the compute kernels
     queued beside it. The block scheduler hands out SMs in priority order, so from a normal-priority stream a
     collective whose inputs are ready can wait until a large kernel launched just before it (the optimizer's
     update of the embedding, a GEMM) has started all of its blocks; the gradient sums behind it wait too, and so
     do the updates that need them. Measured on two H200s (version 4, medium preset): layer 0's all-reduces sat
-    behind the embedding's update at the end of the step. TORCH_NCCL_HIGH_PRIORITY=0 keeps the normal priority
-    (to compare)."""
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = os.environ.get("TORCH_NCCL_HIGH_PRIORITY", "1") != "0"
+    behind the embedding's update at the end of the step. Untimed on AMD GPUs (a HIP graph may not keep the
+    stream's priority)."""
+    process_group = getattr(dist, "ProcessGroupNCCL", None)
+    if process_group is None:
+        return None
+    options = process_group.Options()
+    options.is_high_priority_stream = nccl_high_priority(env)
     return options
 
 

@@ -49,7 +49,8 @@ class GradientAllReduce:
     group's stream. A model's norm weights are one row each (1,024 values at the medium preset, 25 of them), so
     summing each on its own queues 25 collectives that move almost nothing. Gradients of fewer than
     `SMALL_GRADIENT_ELEMENTS` values are therefore copied into one buffer, summed with one all-reduce and copied
-    back; a larger gradient is summed in place (a copy of it would cost more than its collective's fixed cost).
+    back; a larger gradient is summed on its own (in place, or in its bfloat16 copy with --grad-reduce-dtype
+    bfloat16): a copy of it into a shared buffer would cost more than its collective's fixed cost.
     """
 
     SMALL_GRADIENT_ELEMENTS = 1 << 16
@@ -77,17 +78,21 @@ class GradientAllReduce:
         return ([small] if small else []) + large
 
     def _wire_buffer(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """What is all-reduced for `grads`: a lone gradient itself, or a copy (several, or another dtype)."""
-        if len(grads) == 1 and grads[0].dtype == self.reduce_dtype:
-            return grads[0]
+        """What is all-reduced for `grads`: a lone gradient itself or its copy in the reduce dtype, or several in one
+        flat buffer."""
+        if len(grads) == 1:
+            return grads[0].to(self.reduce_dtype)   # the gradient itself when it has that dtype already
         return torch.cat([grad.reshape(-1).to(self.reduce_dtype) for grad in grads])
 
     @staticmethod
     def _write_back(buffer: torch.Tensor, grads: list[torch.Tensor]) -> None:
         if buffer is grads[0]:
             return
-        sums = buffer.split([grad.numel() for grad in grads])
-        torch._foreach_copy_(grads, [piece.view_as(grad) for piece, grad in zip(sums, grads)])
+        if len(grads) == 1:
+            grads[0].copy_(buffer)
+        else:
+            sums = buffer.split([grad.numel() for grad in grads])
+            torch._foreach_copy_(grads, [piece.view_as(grad) for piece, grad in zip(sums, grads)])
         if buffer.is_cuda:
             # start_sum may have made the buffer on another stream (the weight-gradient stream): the caching
             # allocator must know this stream reads it too, or it could reuse the memory before the copy ran.

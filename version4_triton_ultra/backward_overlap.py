@@ -23,8 +23,9 @@ class WeightGradientStream:
     GEMM occupies a fraction of the GPU's SMs, so the weight GEMMs can run at the same time as the chain of
     input-gradient GEMMs, norms and attention backwards instead of after each of them. Each projection's
     backward queues its weight GEMM here (writing weight.grad itself and handing autograd no weight gradient);
-    `join()`, which the training step calls right after loss.backward(), makes the main stream wait for all of
-    them before the optimizer reads the gradients. (So it serves a plain loss.backward() of the whole model:
+    `join()`, which the training step calls after loss.backward() (under data parallel, after the main stream's
+    own updates), makes the main stream wait for all of them before it reads their gradients or ends the step:
+    until then the queued GEMMs' operands are held. (So it serves a plain loss.backward() of the whole model:
     `backward(inputs=...)` and `torch.autograd.grad` would not see these gradients.)
 
     Memory: a queued GEMM's operands (grad_y and x) must live until it has run. They are kept here, and once

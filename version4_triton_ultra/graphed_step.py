@@ -45,9 +45,8 @@ class GraphedStep(GraphReplayedStep):
     compute theirs, as DDP's gradient buckets do; once backward() has returned, layer 0's projections on the second
     stream after their GEMMs, then the embedding's and the norms' (the norms' in one buffer) on the main stream.
     The second stream updates layers 1 and 0 (layer 0's once its sums are done, beside the embedding's
-    all-reduce), the main stream the embedding and the norms once theirs are: the tail after the backward pass is
-    layer 0's all-reduces, the embedding's and its update (two H200s, medium preset: 1.5 ms with layer 0's sums
-    and one update of everything left after the embedding's).
+    all-reduce), the main stream the embedding and the norms once theirs are, and only then joins the second
+    stream: the tail after the backward pass is layer 0's all-reduces, the embedding's and its update.
     The eager warm-up steps take the same path: their all-reduces are real, and they set NCCL's communication up
     before the capture (check_arguments requires --graph-warmup-steps >= 1).
     """
@@ -110,22 +109,30 @@ class GraphedStep(GraphReplayedStep):
         layer 0's) run. The main stream then updates the embedding and the norms (the optimizer step's rest) once
         their sums are done, instead of one update of everything left after all of the sums."""
         def work():
-            self.layer_sums[0] = self._start_sums(self.model.layer_projection_parameters(0))
+            # Layer 0's, and those of any layer whose hook never came (the layers below it frozen): every gradient
+            # the second stream writes is summed on it.
+            self.layer_sums[0] = self._start_sums(self._second_stream_parameters())
             if layer_one_at_the_end:   # its all-reduces have had layer 0's weight GEMMs to finish
                 self._update_layer(1)
             if self.updates_early and 0 in self.layer_groups:
                 self._update_layer(0)
         self.model.weight_grad_stream.run_after_queued(work)
 
+    def _second_stream_parameters(self) -> list:
+        """The parameters whose gradients the second stream writes (every layer's projections, with the last
+        layer's the output head), layer 0's first."""
+        return [p for k in range(len(self.model.layers)) for p in self.model.layer_projection_parameters(k)]
+
     def _start_main_stream_sums(self) -> None:
         # backward() has returned: the main stream has queued the gradients autograd computes itself (the
-        # embedding's, the norms'). Layer 0's projections are written by the second stream, and summed there
-        # (_sum_and_update_bottom_layers).
-        on_second_stream = {id(p) for p in self.model.layer_projection_parameters(0)}
+        # embedding's, the norms'). The projections' are written by the second stream, and summed there
+        # (_layer_gradients_queued, _sum_and_update_bottom_layers): the main stream has not joined it yet.
+        on_second_stream = {id(p) for p in self._second_stream_parameters()}
         self.main_sums = self._start_sums(p for p in self.model.parameters() if id(p) not in on_second_stream)
 
     def _finish_after_backward(self, group_indices) -> None:
-        """Under data parallel, on the main stream after the join: these groups' gradients all summed."""
+        """Under data parallel, on the main stream: these groups' gradients all summed (the projections' were
+        started on the second stream, which the main stream has joined if any of these groups holds them)."""
         if self.gradient_sync is None:
             return
         params = [p for index in group_indices for p in self.optimizer.param_groups[index]["params"]]

@@ -102,7 +102,7 @@ class GraphedStep(GraphReplayedStep):
         # backward is left. Under data parallel _sum_and_update_bottom_layers updates it instead.
         self.model.weight_grad_stream.run_after_queued(lambda: self._update_layer(1))
 
-    def _sum_and_update_bottom_layers(self, layer_one_at_the_end: bool) -> None:
+    def _sum_and_update_bottom_layers(self) -> None:
         """Under data parallel, once backward() has returned: on the second stream, after layer 0's weight GEMMs,
         start layer 0's all-reduces, update layer 1 (whose sums finished during layer 0's backward) and, once its
         sums are done, layer 0, while the embedding's and the norms' all-reduces (started next, so queued after
@@ -112,10 +112,9 @@ class GraphedStep(GraphReplayedStep):
             # Layer 0's, and those of any layer whose hook never came (the layers below it frozen): every gradient
             # the second stream writes is summed on it.
             self.layer_sums[0] = self._start_sums(self._second_stream_parameters())
-            if layer_one_at_the_end:   # its all-reduces have had layer 0's weight GEMMs to finish
-                self._update_layer(1)
-            if self.updates_early and 0 in self.layer_groups:
-                self._update_layer(0)
+            for k in (1, 0):   # layer 1's all-reduces have had layer 0's weight GEMMs to finish
+                if self.updates_early and k in self.layer_groups:
+                    self._update_layer(k)
         self.model.weight_grad_stream.run_after_queued(work)
 
     def _second_stream_parameters(self) -> list:
@@ -144,11 +143,10 @@ class GraphedStep(GraphReplayedStep):
         # The model calls back during the backward pass of THIS step only: set for the step, then removed, so
         # that no other backward pass through the model (an eager step, a check) updates or sums anything.
         hooked = self.updates_early or self.sums_by_layer
-        layer_one_at_the_end = self.updates_early and self.gradient_sync is not None and 1 in self.layer_groups
         # Under data parallel with early updates, the main stream updates the rest before it joins the second
         # stream, which meanwhile sums and updates layers 1 and 0 (_sum_and_update_bottom_layers).
         joins_after_rest = self.sums_by_layer and self.updates_early
-        self.model.early_update = self._update_layer_one if self.updates_early and not layer_one_at_the_end else None
+        self.model.early_update = self._update_layer_one if self.updates_early and not joins_after_rest else None
         self.model.layer_gradients_queued = self._layer_gradients_queued if hooked else None
         self.layer_sums, self.main_sums, self.summed_params, self.updated_groups = {}, [], set(), set()
         try:
@@ -163,7 +161,7 @@ class GraphedStep(GraphReplayedStep):
                 (loss * self.gradient_sync.loss_scale if self.gradient_sync is not None else loss).backward()
                 if self.sums_by_layer:
                     # Layer 0's all-reduces first: the embedding's, the longest, then runs while layer 0 is updated.
-                    self._sum_and_update_bottom_layers(layer_one_at_the_end)
+                    self._sum_and_update_bottom_layers()
                     self._start_main_stream_sums()
                 if not joins_after_rest:
                     self.model.join_weight_gradients()   # the second stream's GEMMs finish before the optimizer

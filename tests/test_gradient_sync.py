@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from tinytransformer import distributed
 from tinytransformer.cli import build_parser, resolve_configs
-from tinytransformer.gradient_sync import GradientAllReduce
+from tinytransformer.gradient_sync import GradientAllReduce, rows_cheaper_than_table
 from tinytransformer.training.trainer import Trainer
 
 from . import own_averaging_v1
@@ -102,6 +102,43 @@ def test_started_sums_finish_with_the_sum_over_the_ranks(tmp_path):
         assert got["grads"][1] is None
         torch.testing.assert_close(got["grads"][2], torch.arange(4.0) * 3, rtol=0, atol=0)
         torch.testing.assert_close(got["grads"][3], torch.full((2, 2), -6.0), rtol=0, atol=0)
+
+
+def row_exchange_worker(rank: int, world: int, port: int, out_dir: str, reduce_dtype: str) -> None:
+    """Each rank: its own ids (gathered from the forward pass on) and rows of gradient, exchanged."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        context = dataclasses.replace(context_of(rank, world), grad_reduce_dtype=reduce_dtype)
+        exchange = GradientAllReduce(context).row_exchange()
+        started = exchange.start(torch.tensor([rank, 10 + rank, 7]))
+        rows = torch.full((3, 2), 1.0 + rank) + torch.tensor([0.0, 1.0 / 1024])
+        ids, everyone = exchange.finish_rows(exchange.start_rows(started, rows))
+        torch.save({"ids": ids, "rows": everyone}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_row_exchange_gives_every_rank_every_ranks_ids_and_rows(reduce_dtype, tmp_path):
+    """In rank order, the same on both ranks; rows back in float32, sent (and so rounded) in the reduce dtype."""
+    mp.spawn(row_exchange_worker, args=(2, distributed.free_port(), str(tmp_path), reduce_dtype), nprocs=2,
+             join=True)
+    step = 1.0 / 1024 if reduce_dtype == "float32" else 0.0   # 1 + 2^-10 is not a bfloat16 (8 bits of mantissa)
+    expected_rows = torch.cat([torch.full((3, 2), 1.0 + rank) + torch.tensor([0.0, step]) for rank in range(2)])
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["ids"].tolist() == [0, 10, 7, 1, 11, 7]
+        assert got["rows"].dtype == torch.float32
+        torch.testing.assert_close(got["rows"], expected_rows, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world, tokens, vocab, cheaper", [
+    (2, 8192, 32000, True),    # the medium preset on two GPUs: 16,384 rows gathered, not 32,000 all-reduced
+    (2, 16384, 32000, False),  # ranks x tokens above the vocabulary
+    (8, 4096, 32000, False), (4, 4096, 32000, True),
+    (1, 16, 32000, False)])    # one rank exchanges nothing
+def test_rows_are_exchanged_while_ranks_times_tokens_fit_the_vocabulary(world, tokens, vocab, cheaper):
+    assert rows_cheaper_than_table(world, tokens, vocab) is cheaper
 
 
 @pytest.fixture

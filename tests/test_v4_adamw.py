@@ -337,9 +337,11 @@ def test_model_groups_each_layers_weights_complete_before_layer0s_backward():
     model = TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=3, num_heads=2, intermediate_size=64,
                                   max_seq_len=16))
     optimizer = model.configure_optimizer(TrainConfig())
-    last, middle, bottom, rest = optimizer.param_groups
-    # The order backward reaches them, then the rest (the embedding and the norms).
-    assert (last["layer"], middle["layer"], bottom["layer"], rest.get("layer")) == (2, 1, 0, None)
+    last, middle, bottom, rest, embedding = optimizer.param_groups
+    # The order backward reaches them, then the rest (the norms), then the embedding in a group of its own.
+    assert (last["layer"], middle["layer"], bottom["layer"], rest.get("layer"), embedding.get("layer")) == (
+        2, 1, 0, None, None)
+    assert embedding["embedding"] and embedding["params"] == [model.embed_tokens.weight]
     names = {id(p): name for name, p in model.named_parameters()}
     assert sorted(names[id(p)] for p in last["params"]) == sorted(
         [f"layers.2.{m}.weight" for m in PROJECTIONS] + ["lm_head.weight"])
@@ -347,12 +349,13 @@ def test_model_groups_each_layers_weights_complete_before_layer0s_backward():
     assert sorted(names[id(p)] for p in bottom["params"]) == sorted(f"layers.0.{m}.weight" for m in PROJECTIONS)
     early = last["params"] + middle["params"]
     assert sorted(map(id, early)) == sorted(map(id, weights_final_before_layer0(model)))
-    assert sorted(names[id(p)] for p in early + bottom["params"] + rest["params"]) == sorted(names.values())
-    assert all(names[id(p)] == "embed_tokens.weight" or "norm" in names[id(p)] for p in rest["params"])
+    every = early + bottom["params"] + rest["params"] + embedding["params"]
+    assert sorted(names[id(p)] for p in every) == sorted(names.values())
+    assert all("norm" in names[id(p)] for p in rest["params"])
     one_layer = TinyLlama(ModelConfig(vocab_size=64, hidden_dim=32, num_layers=1, num_heads=2,
                                       intermediate_size=64, max_seq_len=16))
     groups = one_layer.configure_optimizer(TrainConfig()).param_groups
-    assert [group.get("layer") for group in groups] == [0, None]
+    assert [group.get("layer") for group in groups] == [0, None, None]
 
 
 def test_the_early_update_runs_once_layer0_is_all_that_is_left(device):

@@ -225,6 +225,64 @@ def test_embedding_rms_norm_with_one_output_used(used, device):
     check_embedding_rms_norm((4, 9), 13, 64, device, seed=61, used=used)
 
 
+class OtherRankStandIn:
+    """EmbeddingRowExchange's interface, as if a second rank had looked up `ids` and sent `rows` of gradient:
+    the gathered ids and rows are this rank's, then the other's (rank order)."""
+
+    def __init__(self, ids, rows):
+        self.ids, self.rows, self.calls = ids, rows, []
+
+    def start(self, ids):
+        self.calls.append("start")
+        return ids
+
+    def start_rows(self, started, rows):
+        self.calls.append("start_rows")
+        assert rows.dtype == torch.float32 and rows.shape == (started.shape[0], self.rows.shape[1])
+        return torch.cat([started, self.ids]), torch.cat([rows, self.rows])
+
+    def finish_rows(self, gathering):
+        self.calls.append("finish_rows")
+        return gathering
+
+
+@pytest.mark.parametrize("used", [("h", "normed"), ("h",)], ids=["both outputs", "rows only"])
+def test_embedding_rms_norm_with_a_row_exchange_adds_every_ranks_rows(used, device, poisoned_outputs):
+    """Under data parallel the backward writes each row's gradient, the ranks exchange them, and the table's
+    gradient is this rank's plus the other rank's rows; the norm weight's gradient stays this rank's."""
+    vocab, d = 11, 48
+    g = torch.Generator().manual_seed(91)
+    ids = torch.randint(0, vocab, (3, 7), generator=g).to(device)
+    other_ids = torch.randint(0, vocab, (21,), generator=g).to(device)
+    other_rows = random((21, d), torch.float32, device, 92)
+    table = leaf(random((vocab, d), torch.float32, device, 93))
+    weight = leaf(random((d,), torch.float32, device, 94, scale=0.1) + 1.0)
+    grads = {"h": random((3, 7, d), torch.float32, device, 95), "normed": random((3, 7, d), torch.float32, device, 96)}
+    exchange = OtherRankStandIn(other_ids, other_rows)
+
+    h, normed = arn.embedding_rms_norm(ids, table, weight, EPS, row_exchange=exchange)
+    assert exchange.calls == ["start"]   # the ids travel from the forward pass on
+    outputs = {"h": h, "normed": normed}
+    torch.autograd.backward([outputs[k] for k in used], [grads[k] for k in used])
+    assert exchange.calls == ["start", "start_rows", "finish_rows"]
+
+    table64, weight64 = as_float64_leaf(table), as_float64_leaf(weight)
+    h64, normed64 = reference_add_rms_norm(table64[ids], None, weight64)
+    outputs64 = {"h": h64, "normed": normed64}
+    torch.autograd.backward([outputs64[k] for k in used], [grads[k].double() for k in used])
+    expected = table64.grad.index_add(0, other_ids, other_rows.double())
+    assert_matches(table.grad, expected, torch.float32, "grad table, both ranks' rows")
+    if "normed" in used:
+        assert_matches(weight.grad, weight64.grad, torch.float32, "grad weight, this rank's")
+
+
+def test_embedding_rms_norm_row_exchange_needs_a_float32_table(device):
+    table = leaf(random((4, 16), torch.float16, device, 97))
+    with pytest.raises(ValueError, match="row exchange needs a float32 table"):
+        arn.embedding_rms_norm(torch.tensor([[1]], device=device), table, torch.ones(16, device=device),
+                               row_exchange=OtherRankStandIn(None, None))
+
+
 def test_embedding_rms_norm_of_a_16bit_table_takes_the_separate_ops(device):
     ids = torch.tensor([[1, 0, 1]], device=device)
     table = leaf(random((2, 32), torch.float16, device, 71))

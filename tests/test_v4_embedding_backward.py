@@ -49,6 +49,15 @@ def test_embedding_backward_rows_never_looked_up_are_zero(device):
     assert grad[[0, 1, 2, 4, 6, 7]].eq(0).all() and grad[3].eq(2).all() and grad[5].eq(1).all()
 
 
+def test_embedding_backward_ids_outside_the_table_add_nothing(device):
+    """An id outside [0, V) (a bad batch) adds its row nowhere, in particular not outside the gradient's memory."""
+    if not (device.type == "cuda" or emb.interpreter_active()):
+        pytest.skip("the Triton kernel runs on a GPU or in the interpreter (index_add_ raises for a bad id)")
+    ids = torch.tensor([1, 4, -1, 1], device=device)
+    grad = emb.embedding_backward(ids, torch.ones(4, 8, device=device), vocab_size=3)
+    assert grad[1].eq(2).all() and grad[[0, 2]].eq(0).all()
+
+
 def test_embedding_backward_16bit_gradient_uses_index_add(device):
     ids = torch.tensor([0, 2, 0], device=device)
     grad = emb.embedding_backward(ids, torch.ones(3, 4, dtype=torch.float16, device=device), vocab_size=3)

@@ -8,7 +8,8 @@ all-reduce (it counts, and its handles record the wait). Then, for one, two, thr
 without data parallel, with and without the second stream, with TritonAdamW and torch's AdamW, one step must:
 - update every optimizer group exactly once, each after its gradients were summed and waited for;
 - all-reduce every gradient exactly once, and wait for every all-reduce it started;
-- never let the backward pass read a weight, or write a gradient, after that weight was updated.
+- never let the backward pass read a weight, or write a gradient, after that weight was updated;
+- never update a weight on the second stream before that stream has waited for the main stream's last read of it.
 The stream ordering itself (events between the streams) is what the GPU tests check.
 """
 import itertools
@@ -31,6 +32,7 @@ class StreamStandIn:
         self.on_second_stream = False
         self.unjoined = set()          # ids of weights whose gradient the second stream wrote since the last join
         self.work_since_join = False   # the step must end with the main stream joined to the second
+        self.unwaited_reads = set()    # ids of weights the main stream read since the second stream last waited
 
     def queue(self, weight, grad_y, x):
         self.on_gemm(weight)
@@ -40,6 +42,7 @@ class StreamStandIn:
         self.work_since_join = True
 
     def run_after_queued(self, work):
+        self.unwaited_reads.clear()   # the second stream waits for the main stream's work so far
         self.on_second_stream, self.work_since_join = True, True
         try:
             work()
@@ -64,12 +67,19 @@ class Handle:
 
 
 class AllReduceStandIn:
-    """GradientAllReduce's interface: counts each parameter's all-reduces and keeps every handle."""
+    """GradientAllReduce's interface: counts each parameter's all-reduces and keeps every handle. Two ranks, as
+    far as the rule for the embedding's row exchange goes: its gather counts as the table's sum."""
     loss_scale = 1.0
+    world_size = 2
 
     def __init__(self, on_read=lambda param: None):
         self.counts, self.handles = {}, {}
         self.on_read = on_read   # an all-reduce reads the gradient
+        self.table = None        # the embedding's weight, whose gradient a row exchange sums
+        self.exchanges = 0
+
+    def row_exchange(self):
+        return RowExchangeStandIn(self)
 
     def _count(self, param):
         self.on_read(param)
@@ -95,12 +105,33 @@ class AllReduceStandIn:
         handles.clear()
 
 
+class RowExchangeStandIn:
+    """EmbeddingRowExchange's interface on one rank: the ids and rows come back as given; their exchange counts
+    as the sum of the table's gradient (which the backward pass then writes)."""
+
+    def __init__(self, sync):
+        self.sync = sync
+
+    def start(self, ids):
+        return ids
+
+    def start_rows(self, ids, rows):
+        self.sync.exchanges += 1
+        self.sync.counts[id(self.sync.table)] = self.sync.counts.get(id(self.sync.table), 0) + 1
+        return ids, rows
+
+    @staticmethod
+    def finish_rows(gathering):
+        return gathering
+
+
 CASES = list(itertools.product([1, 2, 3, 5], [False, True], [True, False], [True, False]))
 CASE_IDS = [f"L{n}-{'dp' if dp else 'one'}-{'2streams' if two else '1stream'}-{'triton' if triton else 'torch'}"
             for n, dp, two, triton in CASES]
 
 
-def one_step(monkeypatch, layers, data_parallel, second_stream, triton_adamw, frozen=()):
+def one_step(monkeypatch, layers, data_parallel, second_stream, triton_adamw, frozen=(), embedding_grad_sync="auto",
+             tokens=16):
     """Build a model of `layers` layers (with the named parameters frozen), run one GraphedStep._step with the
     stand-ins, and return what the checks need: (model, optimizer, step, sync, stream, updates, problems)."""
     monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)   # GraphedStep's own side stream
@@ -119,6 +150,8 @@ def one_step(monkeypatch, layers, data_parallel, second_stream, triton_adamw, fr
             problems.append(f"gradient of {names[id(param)]} read on the main stream before it joined the second")
 
     sync = AllReduceStandIn(main_stream_reads) if data_parallel else None
+    if sync is not None:
+        sync.table = model.embed_tokens.weight
 
     def gemm_writes(weight):
         if id(weight) in updated:
@@ -136,6 +169,10 @@ def one_step(monkeypatch, layers, data_parallel, second_stream, triton_adamw, fr
             if param.grad is None:
                 continue
             main_stream_reads(param)
+            stream = model.weight_grad_stream
+            if stream is not None and stream.on_second_stream and id(param) in stream.unwaited_reads:
+                problems.append(f"{names[id(param)]} updated on the second stream before it waited for the main "
+                                f"stream's read of it")
             if sync is not None:
                 handle = sync.handles.get(id(param))   # None: summed synchronously (sum_)
                 if sync.counts.get(id(param)) != 1 or (handle is not None and not handle.waited):
@@ -158,11 +195,14 @@ def one_step(monkeypatch, layers, data_parallel, second_stream, triton_adamw, fr
         for param in model.parameters():
             if saved is param and id(param) in updated:
                 problems.append(f"{names[id(param)]} read by the backward pass after its update")
+            if saved is param and model.weight_grad_stream is not None:
+                model.weight_grad_stream.unwaited_reads.add(id(param))
         return saved
 
     step = graphed_step.GraphedStep(model, optimizer, torch.device("cpu"), TrainConfig(),
-                                    weight_gradient_stream=second_stream, gradient_sync=sync)
-    ids = torch.randint(0, 64, (2, 8))
+                                    weight_gradient_stream=second_stream, gradient_sync=sync,
+                                    embedding_grad_sync=embedding_grad_sync)
+    ids = torch.randint(0, 64, (tokens // 8, 8))
     with torch.autograd.graph.saved_tensors_hooks(lambda saved: saved, unpack):
         step._step(ids, ids)
     stream = model.weight_grad_stream
@@ -205,3 +245,24 @@ def test_a_layer_whose_hook_never_comes_is_summed_and_updated_after_the_join(tri
     assert model.layers[2].attention.qkv_proj.weight.grad is not None and model.embed_tokens.weight.grad is None
     assert_summed_once_and_waited(model, sync)
     assert sorted(updates) == list(range(len(optimizer.param_groups)))
+
+
+@pytest.mark.parametrize("embedding_grad_sync, tokens_per_rank, exchanged", [
+    ("auto", 16, True),     # 2 ranks x 16 tokens <= 64 rows: the rows are exchanged
+    ("auto", 48, False),    # 2 x 48 > 64: the table is all-reduced
+    ("rows", 48, True), ("table", 16, False)])
+def test_the_embedding_is_summed_once_by_rows_or_by_the_table(embedding_grad_sync, tokens_per_rank, exchanged,
+                                                              monkeypatch):
+    """The embedding's gradient is summed exactly once, by the row exchange inside its backward pass or by an
+    all-reduce after it, never both; which one follows --embedding-grad-sync and the size rule."""
+    model, optimizer, step, sync, _, updates, problems = one_step(monkeypatch, 2, True, True, True,
+                                                                  embedding_grad_sync=embedding_grad_sync,
+                                                                  tokens=tokens_per_rank)
+    assert not problems, problems
+    assert sync.exchanges == int(exchanged)
+    assert_summed_once_and_waited(model, sync)
+    assert sorted(updates) == list(range(len(optimizer.param_groups)))
+    # Exchanged, the embedding is updated (its own group) before the norms, whose sums it need not wait for.
+    norms_group = step.embedding_group - 1
+    assert (updates.index(step.embedding_group) < updates.index(norms_group)) == exchanged
+    assert model.embedding_row_exchange is None   # set for the step only

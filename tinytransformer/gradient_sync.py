@@ -59,6 +59,7 @@ class GradientAllReduce:
         if not context.enabled:
             raise ValueError("GradientAllReduce needs a data-parallel run (a process group)")
         self.context = context
+        self.world_size = context.world_size
         self.loss_scale = 1.0 / context.world_size
         self.reduce_dtype = getattr(torch, context.grad_reduce_dtype)
 
@@ -121,9 +122,67 @@ class GradientAllReduce:
             cls._write_back(buffer, grads)
         handles.clear()
 
+    def row_exchange(self) -> "EmbeddingRowExchange":
+        """An EmbeddingRowExchange over the same ranks, sending in the same dtype: for a step that sums its
+        embedding's gradient by exchanging rows (see rows_cheaper_than_table)."""
+        return EmbeddingRowExchange(self.context, self.reduce_dtype)
+
     def describe(self, where: str) -> str:
         """For the run's header, e.g. 'gradients averaged in v4's own step (all-reduce, no DDP wrapper) over 2
         rank(s) (nccl)'."""
         summed_in = "" if self.reduce_dtype == torch.float32 else f", summed in {self.context.grad_reduce_dtype}"
         return (f"gradients averaged in {where} (all-reduce, no DDP wrapper) over {self.context.world_size} "
                 f"rank(s) ({self.context.backend_label}){summed_in}")
+
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single; older torch has only the first.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def rows_cheaper_than_table(world_size: int, tokens_per_rank: int, vocab_size: int) -> bool:
+    """Whether an embedding table's gradient is better summed over the ranks by gathering the rows it is made of
+    (EmbeddingRowExchange) than by all-reducing the table.
+
+    The table's gradient is the sum of one row of gradient per token, added into the row of its id. An all-reduce
+    of the [V, D] table moves about 2 (W-1)/W x V x D values per rank (ring); gathering every rank's rows moves
+    (W-1) x T x D, after which each rank adds all W x T rows itself. So the rows cost less on the wire while
+    W x T < 2 V; this rule asks W x T <= V, which also keeps the added work (W x T rows read and added) within
+    one pass over the table. One rank has nothing to exchange."""
+    return world_size > 1 and world_size * tokens_per_rank <= vocab_size
+
+
+class EmbeddingRowExchange:
+    """Sums an embedding table's gradient over the ranks without all-reducing the table: every rank gathers
+    every rank's token ids and their rows of gradient, and adds them all into its own table's gradient (the
+    model's embedding backward does, see EmbeddingRMSNormFunction in version 4's kernels/add_rmsnorm.py).
+
+    `start(ids)` in the forward pass starts gathering the ids (without waiting: they travel while the forward
+    and backward passes run); in the backward pass `start_rows(started, rows)` starts gathering the rows of
+    gradient [T, D] (in the reduce dtype on the wire), and `finish_rows` waits for both (the current stream
+    waits, not the host) and returns every rank's (ids [W T], rows [W T, D] in float32) in rank order; in
+    between, the current stream can zero the table's gradient. As with the all-reduces, the loss was scaled by
+    1/W, so the sum of every rank's rows is the average gradient. Works with gloo on the CPU too.
+    """
+
+    def __init__(self, context, reduce_dtype: torch.dtype = torch.float32):
+        self.world_size = context.world_size
+        self.reduce_dtype = reduce_dtype
+
+    def _gathered(self, tensor: torch.Tensor, async_op: bool = False):
+        everyone = tensor.new_empty((self.world_size * tensor.shape[0], *tensor.shape[1:]))
+        return everyone, _all_gather_single(everyone, tensor.contiguous(), async_op=async_op)
+
+    def start(self, ids: torch.Tensor):
+        everyone, work = self._gathered(ids, async_op=True)
+        return work, everyone
+
+    def start_rows(self, started, rows: torch.Tensor):
+        everyone, work = self._gathered(rows.to(self.reduce_dtype), async_op=True)
+        return started, (work, everyone)
+
+    @staticmethod
+    def finish_rows(gathering) -> tuple[torch.Tensor, torch.Tensor]:
+        (ids_work, ids), (rows_work, rows) = gathering
+        ids_work.wait()
+        rows_work.wait()
+        return ids, rows.to(torch.float32)

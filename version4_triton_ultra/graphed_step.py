@@ -4,9 +4,13 @@ below is the spec's make_step hook, as the other step strategies are reached thr
 """
 import torch
 
+from tinytransformer.gradient_sync import rows_cheaper_than_table
 from tinytransformer.profiling.ranges import profile_range
 from tinytransformer.training.captured_step import GraphReplayedStep, captures_step
 from tinytransformer.training.step import EagerStep
+
+# --embedding-grad-sync: how the embedding's gradient is summed over the ranks (GraphedStep._embedding_row_exchange).
+EMBEDDING_GRAD_SYNC = ("auto", "rows", "table")
 
 
 def uses_graph(args, device) -> bool:
@@ -27,8 +31,8 @@ class GraphedStep(GraphReplayedStep):
     model's WeightGradientStream on or off).
 
     The optimizer runs mostly inside the backward pass. TritonAdamW gets one parameter group per layer from the
-    last down to layer 0 (the output head with the last), then the rest (the norms, the embedding):
-    model.configure_optimizer tags each group with its layer. Once the backward pass has queued layer k's
+    last down to layer 0 (the output head with the last), then the rest (the norms, then the embedding in a group of
+    its own): model.configure_optimizer tags each group with its layer. Once the backward pass has queued layer k's
     weight-gradient GEMMs (the model's layer_gradients_queued hook), the second stream updates layer k+1's
     weights, whose gradients are complete and which no later part of the backward pass reads; layer 1's are
     updated when only layer 0's backward is left (the model's early_update hook). So the update of ~79% of the
@@ -46,26 +50,53 @@ class GraphedStep(GraphReplayedStep):
     stream after their GEMMs, then the embedding's and the norms' (the norms' in one buffer) on the main stream.
     The second stream updates layers 1 and 0 (layer 0's once its sums are done, beside the embedding's
     all-reduce), the main stream the embedding and the norms once theirs are, and only then joins the second
-    stream: the tail after the backward pass is layer 0's all-reduces, the embedding's and its update.
+    stream: the tail after the backward pass is layer 0's all-reduces, the embedding's (or its rows' exchange,
+    below) and its update.
     The eager warm-up steps take the same path: their all-reduces are real, and they set NCCL's communication up
     before the capture (check_arguments requires --graph-warmup-steps >= 1).
+
+    The embedding's gradient, the largest (32,000 x 1,024 floats at the medium preset) and the last the backward
+    pass computes, is summed another way where that moves less (`embedding_grad_sync` "auto", the rule of
+    gradient_sync.rows_cheaper_than_table; "rows" or "table" to compare): the ranks gather each other's token ids
+    (during the forward pass) and rows of gradient (at the end of the backward pass), and every rank adds all of
+    them into its table's gradient, which then comes out of the backward pass summed (EmbeddingRMSNormFunction in
+    kernels/add_rmsnorm.py), and its update (a TritonAdamW group of its own) starts at once, while layer 0's and
+    the norms' all-reduces run: the tail shrinks to the rows' gather, their addition and the update.
     """
 
     def __init__(self, model, optimizer, device, train, warmup_steps: int = 3, weight_gradient_stream=True,
-                 gradient_sync=None):
+                 gradient_sync=None, embedding_grad_sync: str = "auto"):
         super().__init__(model, optimizer, device, train, warmup_steps)
+        if embedding_grad_sync not in EMBEDDING_GRAD_SYNC:
+            raise ValueError(f"embedding_grad_sync must be one of {EMBEDDING_GRAD_SYNC}, got {embedding_grad_sync!r}")
         self.gradient_sync = gradient_sync
+        self.embedding_grad_sync = embedding_grad_sync
         model.use_weight_gradient_stream(weight_gradient_stream)
         # Layer k -> the index of the optimizer group holding its weights (TritonAdamW from configure_optimizer).
         # Updating during the backward pass needs the second stream, where a layer's weight gradients are known
         # to be queued when the backward pass leaves the layer (autograd accumulates its own when it sees fit).
         self.layer_groups = {group["layer"]: index for index, group in enumerate(optimizer.param_groups)
                              if group.get("layer") is not None}
+        self.embedding_group = next((index for index, group in enumerate(optimizer.param_groups)
+                                     if group.get("embedding")), None)
         self.updates_early = weight_gradient_stream and hasattr(optimizer, "step_groups") and bool(self.layer_groups)
         self.sums_by_layer = gradient_sync is not None and weight_gradient_stream
         self.layer_sums, self.main_sums = {}, []   # this step's all-reduce handles: per layer, main stream's
         self.summed_params = set()                 # the parameters whose all-reduces have started this step
         self.updated_groups = set()                # the groups updated during this step's backward pass
+
+    def _embedding_row_exchange(self, inputs):
+        """The EmbeddingRowExchange this step's embedding backward sums with, or None (summed by all-reduce, or
+        no data parallel)."""
+        if self.gradient_sync is None or self.embedding_grad_sync == "table":
+            return None
+        table = self.model.embed_tokens.weight
+        if table.dtype != torch.float32 or not table.requires_grad:
+            return None   # the fused lookup's backward (which exchanges) needs a float32 table to train
+        if self.embedding_grad_sync == "auto" and not rows_cheaper_than_table(
+                self.gradient_sync.world_size, inputs.numel(), table.shape[0]):
+            return None
+        return self.gradient_sync.row_exchange()
 
     def _start_sums(self, params) -> list:
         started = [p for p in params if p.grad is not None and id(p) not in self.summed_params]
@@ -149,6 +180,10 @@ class GraphedStep(GraphReplayedStep):
         self.model.early_update = self._update_layer_one if self.updates_early and not joins_after_rest else None
         self.model.layer_gradients_queued = self._layer_gradients_queued if hooked else None
         self.layer_sums, self.main_sums, self.summed_params, self.updated_groups = {}, [], set(), set()
+        self.model.embedding_row_exchange = self._embedding_row_exchange(inputs)
+        exchanged = self.model.embedding_row_exchange is not None
+        if exchanged:   # its backward sums the embedding's gradient itself
+            self.summed_params.add(id(self.model.embed_tokens.weight))
         try:
             # cache_enabled=False: autocast's weight-cast cache would hold tensors created outside the graph.
             with torch.autocast("cuda", dtype=self.autocast_dtype or torch.bfloat16,
@@ -160,19 +195,24 @@ class GraphedStep(GraphReplayedStep):
                 # over the ranks is the average (gradient_sync.py); at one rank the scale is exactly 1.
                 (loss * self.gradient_sync.loss_scale if self.gradient_sync is not None else loss).backward()
                 if self.sums_by_layer:
-                    # Layer 0's all-reduces first: the embedding's, the longest, then runs while layer 0 is updated.
+                    # Layer 0's all-reduces first, then the norms' and (unless the row exchange summed it) the
+                    # embedding's: the longest, it then runs while layer 0 is updated.
                     self._sum_and_update_bottom_layers()
                     self._start_main_stream_sums()
                 if not joins_after_rest:
                     self.model.join_weight_gradients()   # the second stream's GEMMs finish before the optimizer
         finally:
-            self.model.early_update = self.model.layer_gradients_queued = None
+            self.model.early_update = self.model.layer_gradients_queued = self.model.embedding_row_exchange = None
         with profile_range("optimizer"):
             # The groups the backward pass did not update: the rest, and any layer whose hook never came (a
             # backward pass that stops early, e.g. with the layers below frozen, leaves them to this point).
             rest = [index for index in range(len(self.optimizer.param_groups)) if index not in self.updated_groups]
             if joins_after_rest and any(index in self.layer_groups.values() for index in rest):
                 self.model.join_weight_gradients()   # a layer left to here: its gradients come from the second stream
+            if exchanged and self.updated_groups and self.embedding_group in rest:
+                # Summed already (the row exchange): updated while the norms' and layer 0's sums run.
+                rest.remove(self.embedding_group)
+                self.optimizer.step_groups([self.embedding_group])
             self._finish_after_backward(rest)   # the updated groups' sums were finished before their updates
             if self.updated_groups:
                 self.optimizer.step_groups(rest)
@@ -199,5 +239,6 @@ def make_step(model, optimizer, device, train, args, gradient_sync=None):
     averages_gradients hook): under DDP otherwise, the model arrives wrapped and the eager step needs none."""
     if uses_graph(args, device):
         return GraphedStep(model, optimizer, device, train, warmup_steps=args.graph_warmup_steps,
-                           weight_gradient_stream=args.weight_grad_stream, gradient_sync=gradient_sync)
+                           weight_gradient_stream=args.weight_grad_stream, gradient_sync=gradient_sync,
+                           embedding_grad_sync=args.embedding_grad_sync)
     return EagerStep(model, optimizer, device, train)

@@ -51,6 +51,7 @@ The function is still version 1's model: tests load the same canonical weights a
 every gradient. When `targets` are given the logits are not materialised and forward returns (None, loss).
 """
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -63,8 +64,10 @@ from tinytransformer.triton_support import enable_interpreter_if_no_gpu, interpr
 
 enable_interpreter_if_no_gpu()  # must precede the first `import triton` (inside the kernel modules)
 
+from tinytransformer import distributed  # noqa: E402
 from tinytransformer.cli import VersionSpec, build_parser, resolve_configs, run  # noqa: E402
 from tinytransformer.config import ConfigError, ModelConfig, head_dim_advice  # noqa: E402
+from tinytransformer.gradient_sync import rows_cheaper_than_table  # noqa: E402
 from tinytransformer.precision import (  # noqa: E402
     add_tf32_arguments, apply_tf32_argument, describe_float32_matmuls)
 from tinytransformer.profiling.ranges import profile_range  # noqa: E402
@@ -234,6 +237,9 @@ class TinyLlama(nn.Module):
         # Needs the weight-gradient stream.
         self.layer_gradients_queued = None
         self.weight_grad_stream = None   # a WeightGradientStream once use_weight_gradient_stream() is called
+        # Under data parallel, a gradient_sync.EmbeddingRowExchange: the embedding's gradient then comes out of the
+        # backward pass summed over the ranks (set by GraphedStep for its step, see EmbeddingRMSNormFunction).
+        self.embedding_row_exchange = None
         cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -316,7 +322,8 @@ class TinyLlama(nn.Module):
             # The lookup and the first norm in one kernel each way (kernels/add_rmsnorm.py).
             h, normed = embedding_rms_norm(input_ids, self.embed_tokens.weight,
                                            self.layers[0].attention_norm.weight, self.config.rms_norm_eps,
-                                           normed_dtype=gemm_input_dtype(input_ids.device.type))
+                                           normed_dtype=gemm_input_dtype(input_ids.device.type),
+                                           row_exchange=self.embedding_row_exchange)
         if weights_copied is not None:   # the copy ran on the second stream: the projections need it now
             torch.cuda.current_stream(h.device).wait_event(weights_copied)
         for i, layer in enumerate(self.layers):
@@ -356,12 +363,16 @@ class TinyLlama(nn.Module):
         if self.optimizer_writes_copies:
             # One group per layer from the last down to layer 0, tagged with its layer: GraphedStep updates each
             # during the backward pass, once the layer below has queued its weight gradients (layer 0's, and
-            # under data parallel layer 1's, once backward() has returned). Then the rest.
+            # under data parallel layer 1's, once backward() has returned). Then the norms, and the embedding in
+            # a group of its own: under data parallel its gradient may come out of the backward pass summed
+            # (embedding_row_exchange), and then it is updated while the norms' are still being summed.
             by_layer = [{"params": self.layer_projection_parameters(k), "layer": k}
                         for k in range(len(self.layers) - 1, -1, -1)]
-            early_ids = {id(p) for group in by_layer for p in group["params"]}
+            early_ids = {id(p) for group in by_layer for p in group["params"]} | {id(self.embed_tokens.weight)}
             rest = [p for p in self.parameters() if id(p) not in early_ids]
-            return TritonAdamW(by_layer + [{"params": rest}], sixteen_bit_copies=self.sixteen_bit_copies, **hyper)
+            embedding = {"params": [self.embed_tokens.weight], "embedding": True}
+            return TritonAdamW(by_layer + [{"params": rest}, embedding], sixteen_bit_copies=self.sixteen_bit_copies,
+                               **hyper)
         on_gpu = next(self.parameters()).is_cuda
         return torch.optim.AdamW(self.parameters(), fused=on_gpu or None,
                                  capturable=on_gpu and self.capturable_optimizer, **hyper)
@@ -427,6 +438,10 @@ def add_arguments(group):
                             "in a kernel of their own, instead of version 4's Triton AdamW (to compare)")
     group.add_argument("--graph-warmup-steps", type=int, default=3,
                        help="eager steps before the graph is captured")
+    group.add_argument("--embedding-grad-sync", choices=graphed_step.EMBEDDING_GRAD_SYNC, default="auto",
+                       help="under torchrun, in the graph-captured step: sum the embedding's gradient over the "
+                            "ranks by gathering every rank's token rows (rows) or by all-reducing the table (table); "
+                            "auto: rows while ranks x tokens per rank <= vocabulary size")
 
 
 def shape_problem(config: ModelConfig, batch_size: int, seq_len: int, gemm_dtype: torch.dtype = torch.float32,
@@ -533,7 +548,26 @@ def describe(args) -> dict:
     # On the CPU, PyTorch's matmuls and the interpreter's tl.dot (NumPy) both compute in IEEE float32.
     matmuls = describe_float32_matmuls(
         args, on_gpu, on_cpu="exact float32 in PyTorch and Triton's CPU interpreter (TF32, --tf32, is for NVIDIA GPUs)")
-    return {"step": step, "matmuls": matmuls, "RoPE": rope, "SwiGLU": swiglu, "optimizer": optimizer}
+    info = {"step": step, "matmuls": matmuls, "RoPE": rope, "SwiGLU": swiglu, "optimizer": optimizer}
+    graphed = on_gpu and graphed_step.uses_graph(args, torch.device("cuda"))
+    if graphed and distributed.launched_by_torchrun() and not with_deepspeed:
+        info["embed grad"] = embedding_grad_sync_of_args(args)
+    return info
+
+
+def embedding_grad_sync_of_args(args) -> str:
+    """How the graph-captured step under torchrun sums the embedding's gradient (GraphedStep's rule), in words."""
+    config, train = resolve_configs(args)
+    ranks, tokens = distributed.launcher_int(os.environ, "WORLD_SIZE"), train.batch_size * train.seq_len
+    rows = args.embedding_grad_sync == "rows" or (
+        args.embedding_grad_sync == "auto" and rows_cheaper_than_table(ranks, tokens, config.vocab_size))
+    if rows:
+        return (f"summed by gathering every rank's token rows ({ranks} x {tokens:,} rows, not the "
+                f"{config.vocab_size:,}-row table; --embedding-grad-sync)")
+    if args.embedding_grad_sync == "table" or ranks == 1:
+        return "the table all-reduced (--embedding-grad-sync)"
+    return (f"the table all-reduced ({config.vocab_size:,} rows: fewer than {ranks} x {tokens:,} token rows; "
+            f"--embedding-grad-sync)")
 
 
 # The training step is a strategy of its own (graphed_step.py): the graph-captured step on a GPU, else eager.

@@ -37,7 +37,7 @@ def _embedding_backward_kernel(
     ids_ptr,            # [T] int64: the token id of each gradient row
     grad_output_ptr,    # [T, D] float32, contiguous
     grad_weight_ptr,    # [V, D] float32, zero on entry; row ids[t] receives row t of grad_output
-    n_tokens, n_features,
+    n_tokens, n_features, vocab_size,
     BLOCK_T: tl.constexpr,   # token rows per program
     BLOCK_D: tl.constexpr,   # power of two >= n_features
 ):
@@ -46,6 +46,7 @@ def _embedding_backward_kernel(
     row_mask = rows < n_tokens
     mask = row_mask[:, None] & (cols < n_features)[None, :]
     ids = tl.load(ids_ptr + rows, mask=row_mask, other=0)
+    mask = mask & ((ids >= 0) & (ids < vocab_size))[:, None]   # an id outside the table adds nothing
     # int64 offsets: T * D (and V * D) may exceed 2^31 elements.
     grad = tl.load(grad_output_ptr + rows.to(tl.int64)[:, None] * n_features + cols[None, :], mask=mask,
                    other=0.0)
@@ -54,18 +55,26 @@ def _embedding_backward_kernel(
                   sem="relaxed")
 
 
-def embedding_backward(input_ids: torch.Tensor, grad_output: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def embedding_backward(input_ids: torch.Tensor, grad_output: torch.Tensor, vocab_size: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient [vocab_size, D] of an embedding weight, from input_ids [...] and grad_output [..., D].
 
     float32 gradients go through the Triton kernel above (the model's embedding weight is float32); other
     dtypes through `index_add_`, since atomic additions of 16-bit values are not available on every GPU.
+    `out`: a zeroed [vocab_size, D] tensor of grad_output's dtype to add into (zeroed earlier, where the caller
+    had something to overlap it with), else a new one.
     """
     n_features = grad_output.shape[-1]
     ids = input_ids.reshape(-1)
     grad_rows = grad_output.reshape(-1, n_features)
     if ids.shape[0] != grad_rows.shape[0]:
         raise ValueError(f"{ids.shape[0]} token ids for {grad_rows.shape[0]} gradient rows")
-    grad_weight = torch.zeros(vocab_size, n_features, dtype=grad_output.dtype, device=grad_output.device)
+    if out is None:
+        out = torch.zeros(vocab_size, n_features, dtype=grad_output.dtype, device=grad_output.device)
+    elif out.shape != (vocab_size, n_features) or out.dtype != grad_output.dtype:
+        raise ValueError(f"out must be [{vocab_size}, {n_features}] {grad_output.dtype}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    grad_weight = out
     usable = grad_output.dtype == torch.float32 and (is_gpu(grad_output.device) or interpreter_active())
     if not usable:
         return grad_weight.index_add_(0, ids, grad_rows)
@@ -74,7 +83,7 @@ def embedding_backward(input_ids: torch.Tensor, grad_output: torch.Tensor, vocab
     block_d = triton.next_power_of_2(n_features)
     block_t = max(1, min(16, TILE_ELEMENTS // block_d))
     _embedding_backward_kernel[(triton.cdiv(ids.shape[0], block_t),)](
-        ids.contiguous(), grad_rows.contiguous(), grad_weight, ids.shape[0], n_features,
+        ids.contiguous(), grad_rows.contiguous(), grad_weight, ids.shape[0], n_features, vocab_size,
         BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
     return grad_weight
 

@@ -110,10 +110,10 @@ def row_exchange_worker(rank: int, world: int, port: int, out_dir: str, reduce_d
     try:
         context = dataclasses.replace(context_of(rank, world), grad_reduce_dtype=reduce_dtype)
         exchange = GradientAllReduce(context).row_exchange()
-        started = exchange.start(torch.tensor([rank, 10 + rank, 7]))
+        ids_gathering = exchange.start(torch.tensor([rank, 10 + rank, 7]))
         rows = torch.full((3, 2), 1.0 + rank) + torch.tensor([0.0, 1.0 / 1024])
-        ids, everyone = exchange.finish_rows(exchange.start_rows(started, rows))
-        torch.save({"ids": ids, "rows": everyone}, Path(out_dir) / f"rank{rank}.pt")
+        everyone = exchange.start(rows).wait()
+        torch.save({"ids": ids_gathering.wait(), "rows": everyone}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -130,6 +130,45 @@ def test_row_exchange_gives_every_rank_every_ranks_ids_and_rows(reduce_dtype, tm
         assert got["ids"].tolist() == [0, 10, 7, 1, 11, 7]
         assert got["rows"].dtype == torch.float32
         torch.testing.assert_close(got["rows"], expected_rows, rtol=0, atol=0)
+
+
+def exchanged_embedding_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Each rank: its own ids and output gradients through version 4's embedding + first norm, the table's gradient
+    summed by the real row exchange (in Triton's interpreter on the CPU)."""
+    from version4_triton_ultra.kernels.add_rmsnorm import embedding_rms_norm
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        generator = torch.Generator().manual_seed(5)   # the same weights on both ranks
+        table = torch.randn(9, 16, generator=generator).requires_grad_()
+        weight = (torch.randn(16, generator=generator) * 0.1 + 1).requires_grad_()
+        generator.manual_seed(100 + rank)              # each rank's own batch
+        ids = torch.randint(0, 9, (2, 6), generator=generator)
+        grad_h, grad_normed = torch.randn(2, 6, 16, generator=generator), torch.randn(2, 6, 16, generator=generator)
+        exchange = GradientAllReduce(context_of(rank, world)).row_exchange()
+        h, normed = embedding_rms_norm(ids, table, weight, row_exchange=exchange)
+        torch.autograd.backward([h, normed], [grad_h, grad_normed])
+        torch.save({"table": table.grad, "weight": weight.grad, "ids": ids, "grad_h": grad_h,
+                    "grad_normed": grad_normed}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_row_exchange_gives_both_ranks_the_same_summed_table_gradient(tmp_path):
+    """Through the model's kernel: the table's gradient is the sum of both ranks' (float64 reference), the same
+    bits on both ranks; the norm weight's stays each rank's own (the usual all-reduce sums it)."""
+    mp.spawn(exchanged_embedding_worker, args=(2, distributed.free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    assert torch.equal(got[0]["table"], got[1]["table"])
+    generator = torch.Generator().manual_seed(5)
+    table64 = torch.randn(9, 16, generator=generator).double().requires_grad_()
+    weight64 = (torch.randn(16, generator=generator) * 0.1 + 1).double().requires_grad_()
+    for rank in range(2):
+        weight64.grad = None
+        h = table64[got[rank]["ids"]]
+        normed = weight64 * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        torch.autograd.backward([h, normed], [got[rank]["grad_h"].double(), got[rank]["grad_normed"].double()])
+        torch.testing.assert_close(got[rank]["weight"].double(), weight64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[0]["table"].double(), table64.grad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("world, tokens, vocab, cheaper", [

@@ -225,25 +225,28 @@ def test_embedding_rms_norm_with_one_output_used(used, device):
     check_embedding_rms_norm((4, 9), 13, 64, device, seed=61, used=used)
 
 
+class GatheringStandIn:
+    def __init__(self, everyone, calls):
+        self.everyone, self.calls = everyone, calls
+
+    def wait(self):
+        self.calls.append("wait")
+        return self.everyone
+
+
 class OtherRankStandIn:
     """EmbeddingRowExchange's interface, as if a second rank had looked up `ids` and sent `rows` of gradient:
-    the gathered ids and rows are this rank's, then the other's (rank order)."""
+    what is gathered is this rank's tensor, then the other's (rank order)."""
 
     def __init__(self, ids, rows):
         self.ids, self.rows, self.calls = ids, rows, []
 
-    def start(self, ids):
+    def start(self, tensor):
         self.calls.append("start")
-        return ids
-
-    def start_rows(self, started, rows):
-        self.calls.append("start_rows")
-        assert rows.dtype == torch.float32 and rows.shape == (started.shape[0], self.rows.shape[1])
-        return torch.cat([started, self.ids]), torch.cat([rows, self.rows])
-
-    def finish_rows(self, gathering):
-        self.calls.append("finish_rows")
-        return gathering
+        if tensor.is_floating_point():
+            assert tensor.dtype == torch.float32 and tensor.shape[1] == self.rows.shape[1]
+            return GatheringStandIn(torch.cat([tensor, self.rows]), self.calls)
+        return GatheringStandIn(torch.cat([tensor, self.ids]), self.calls)
 
 
 @pytest.mark.parametrize("used", [("h", "normed"), ("h",)], ids=["both outputs", "rows only"])
@@ -264,7 +267,7 @@ def test_embedding_rms_norm_with_a_row_exchange_adds_every_ranks_rows(used, devi
     assert exchange.calls == ["start"]   # the ids travel from the forward pass on
     outputs = {"h": h, "normed": normed}
     torch.autograd.backward([outputs[k] for k in used], [grads[k] for k in used])
-    assert exchange.calls == ["start", "start_rows", "finish_rows"]
+    assert exchange.calls == ["start", "start", "wait", "wait"]   # the rows' gather started, then both waited
 
     table64, weight64 = as_float64_leaf(table), as_float64_leaf(weight)
     h64, normed64 = reference_add_rms_norm(table64[ids], None, weight64)

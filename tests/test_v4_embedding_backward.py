@@ -73,3 +73,59 @@ def test_embedding_backward_rejects_mismatched_rows(device):
 def test_embedding_backward_full_size_gpu(device):
     # batch 32 x seq 512 tokens over the seed vocabulary: ~16 additions into every row.
     check_embedding((32, 512), 1000, 256, device, seed=181)
+
+
+# embedding_backward_in_order: the same bits on every run (what the data-parallel row exchange needs)
+def sequential_reference(ids, rows, vocab_size):
+    """Each table row = 0 + its tokens' rows, added one at a time in the order the tokens come (float32)."""
+    out = torch.zeros(vocab_size, rows.shape[1])
+    for token, row in zip(ids.tolist(), rows.cpu()):
+        if 0 <= token < vocab_size:
+            out[token] = out[token] + row
+    return out
+
+
+def test_embedding_backward_in_order_adds_each_tokens_rows_in_the_order_they_come(device):
+    """Bit for bit the sequential float32 sum: with rows 1, 1e8, -1e8 for one id the order decides the result
+    (1 + 1e8 rounds to 1e8, so in this order the sum is 0; in reverse it would be 1). Ids outside the table add
+    nothing; rows no token looked up stay zero."""
+    rows = torch.tensor([[1.0, 2.0], [5.0, 5.0], [1e8, 3.0], [-1e8, -4.0], [7.0, 7.0], [9.0, 9.0]])
+    ids = torch.tensor([3, 0, 3, 3, -1, 6])   # V = 5: -1 and 6 are outside
+    got = emb.embedding_backward_in_order(ids.to(device), rows.to(device), vocab_size=5)
+    expected = sequential_reference(ids, rows, 5)
+    assert torch.equal(got.cpu(), expected)
+    assert got[3, 0].item() == 0.0   # not 1.0: the order was kept
+    assert sequential_reference(ids.flip(0), rows.flip(0), 5)[3, 0].item() == 1.0   # (the test can fail)
+
+
+@pytest.mark.parametrize("n_tokens, vocab_size, dim", [(200, 7, 40), (64, 1000, 256)],
+                         ids=["long runs, D not a power of two", "mostly unused rows"])
+def test_embedding_backward_in_order_matches_the_sequential_sum(n_tokens, vocab_size, dim, device):
+    generator = torch.Generator().manual_seed(n_tokens + dim)
+    ids = torch.randint(0, vocab_size, (n_tokens,), generator=generator)
+    rows = torch.randn(n_tokens, dim, generator=generator)
+    out = torch.zeros(vocab_size, dim, device=device)
+    got = emb.embedding_backward_in_order(ids.to(device), rows.to(device), vocab_size, out=out)
+    assert got is out   # added into the tensor given
+    assert torch.equal(got.cpu(), sequential_reference(ids, rows, vocab_size))
+
+
+def test_embedding_backward_rejects_a_wrong_out(device):
+    with pytest.raises(ValueError, match=r"out must be \[5, 4\] torch.float32"):
+        emb.embedding_backward_in_order(torch.zeros(2, dtype=torch.long, device=device), torch.ones(2, 4, device=device),
+                                        5, out=torch.zeros(5, 3, device=device))
+
+
+@pytest.mark.gpu
+def test_embedding_backward_in_order_is_the_same_every_run_gpu(device):
+    """The row exchange's shape at the medium preset on two GPUs (16,384 rows of 1,024), over a small vocabulary
+    so that every id has ~330 rows: two runs agree bit for bit (atomic additions need not), and the sum matches
+    float64."""
+    generator = torch.Generator().manual_seed(191)
+    ids = torch.randint(0, 50, (16384,), generator=generator).to(device)
+    rows64 = torch.randn(16384, 1024, generator=generator, dtype=torch.float64).to(device)
+    first = emb.embedding_backward_in_order(ids, rows64.float(), 50)
+    second = emb.embedding_backward_in_order(ids, rows64.float(), 50)
+    assert torch.equal(first, second)
+    reference = torch.zeros(50, 1024, dtype=torch.float64, device=device).index_add_(0, ids, rows64)
+    assert_matches(first, reference, torch.float32, "grad weight")

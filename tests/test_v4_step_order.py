@@ -106,23 +106,25 @@ class AllReduceStandIn:
 
 
 class RowExchangeStandIn:
-    """EmbeddingRowExchange's interface on one rank: the ids and rows come back as given; their exchange counts
-    as the sum of the table's gradient (which the backward pass then writes)."""
+    """EmbeddingRowExchange's interface on one rank: what is gathered is what was given; the rows' gather counts
+    as the sum of the table's gradient (which the backward pass then writes), once it is waited for."""
 
     def __init__(self, sync):
         self.sync = sync
 
-    def start(self, ids):
-        return ids
+    def start(self, tensor):
+        return RowGatheringStandIn(self.sync, tensor)
 
-    def start_rows(self, ids, rows):
-        self.sync.exchanges += 1
-        self.sync.counts[id(self.sync.table)] = self.sync.counts.get(id(self.sync.table), 0) + 1
-        return ids, rows
 
-    @staticmethod
-    def finish_rows(gathering):
-        return gathering
+class RowGatheringStandIn:
+    def __init__(self, sync, tensor):
+        self.sync, self.tensor = sync, tensor
+
+    def wait(self):
+        if self.tensor.is_floating_point():   # the rows
+            self.sync.exchanges += 1
+            self.sync.counts[id(self.sync.table)] = self.sync.counts.get(id(self.sync.table), 0) + 1
+        return self.tensor
 
 
 CASES = list(itertools.product([1, 2, 3, 5], [False, True], [True, False], [True, False]))

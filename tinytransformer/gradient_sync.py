@@ -154,35 +154,35 @@ def rows_cheaper_than_table(world_size: int, tokens_per_rank: int, vocab_size: i
 class EmbeddingRowExchange:
     """Sums an embedding table's gradient over the ranks without all-reducing the table: every rank gathers
     every rank's token ids and their rows of gradient, and adds them all into its own table's gradient (the
-    model's embedding backward does, see EmbeddingRMSNormFunction in version 4's kernels/add_rmsnorm.py).
+    model's embedding backward does, see EmbeddingRMSNormFunction in version 4's kernels/add_rmsnorm.py), in an
+    order that does not vary, so that every rank gets the same bits (embedding_backward_in_order).
 
-    `start(ids)` in the forward pass starts gathering the ids (without waiting: they travel while the forward
-    and backward passes run); in the backward pass `start_rows(started, rows)` starts gathering the rows of
-    gradient [T, D] (in the reduce dtype on the wire), and `finish_rows` waits for both (the current stream
-    waits, not the host) and returns every rank's (ids [W T], rows [W T, D] in float32) in rank order; in
-    between, the current stream can zero the table's gradient. As with the all-reduces, the loss was scaled by
-    1/W, so the sum of every rank's rows is the average gradient. Works with gloo on the CPU too.
+    `start(ids)` in the forward pass starts gathering the ids (they travel while the forward and backward passes
+    run); `start(rows)` in the backward pass the rows of gradient [T, D], in the reduce dtype on the wire. Each
+    returns a Gathering, whose wait() gives every rank's tensor in rank order ([W T] ids, [W T, D] rows in the
+    dtype given): the current stream waits, not the host, so it can zero the table's gradient and sort the ids
+    while the rows travel. As with the all-reduces, the loss was scaled by 1/W, so the sum of every rank's rows
+    is the average gradient. Works with gloo on the CPU too.
     """
 
     def __init__(self, context, reduce_dtype: torch.dtype = torch.float32):
         self.world_size = context.world_size
         self.reduce_dtype = reduce_dtype
 
-    def _gathered(self, tensor: torch.Tensor, async_op: bool = False):
-        everyone = tensor.new_empty((self.world_size * tensor.shape[0], *tensor.shape[1:]))
-        return everyone, _all_gather_single(everyone, tensor.contiguous(), async_op=async_op)
+    def start(self, tensor: torch.Tensor) -> "Gathering":
+        sent = (tensor.to(self.reduce_dtype) if tensor.is_floating_point() else tensor).contiguous()
+        everyone = sent.new_empty((self.world_size * sent.shape[0], *sent.shape[1:]))
+        work = _all_gather_single(everyone, sent, async_op=True)
+        return Gathering(work, sent, everyone, tensor.dtype)
 
-    def start(self, ids: torch.Tensor):
-        everyone, work = self._gathered(ids, async_op=True)
-        return work, everyone
 
-    def start_rows(self, started, rows: torch.Tensor):
-        everyone, work = self._gathered(rows.to(self.reduce_dtype), async_op=True)
-        return started, (work, everyone)
+class Gathering:
+    """An all-gather in flight (EmbeddingRowExchange.start). It holds what is sent until the gather is done."""
 
-    @staticmethod
-    def finish_rows(gathering) -> tuple[torch.Tensor, torch.Tensor]:
-        (ids_work, ids), (rows_work, rows) = gathering
-        ids_work.wait()
-        rows_work.wait()
-        return ids, rows.to(torch.float32)
+    def __init__(self, work, sent: torch.Tensor, everyone: torch.Tensor, dtype: torch.dtype):
+        self.work, self.sent, self.everyone, self.dtype = work, sent, everyone, dtype
+
+    def wait(self) -> torch.Tensor:
+        """Every rank's tensor, once the current stream has waited for the gather (with gloo, the host waits)."""
+        self.work.wait()
+        return self.everyone.to(self.dtype)

@@ -56,16 +56,17 @@ class GraphedStep(GraphReplayedStep):
     before the capture (check_arguments requires --graph-warmup-steps >= 1).
 
     The embedding's gradient, the largest (32,000 x 1,024 floats at the medium preset) and the last the backward
-    pass computes, is summed another way where that moves less (`embedding_grad_sync` "auto", the rule of
-    gradient_sync.rows_cheaper_than_table; "rows" or "table" to compare): the ranks gather each other's token ids
-    (during the forward pass) and rows of gradient (at the end of the backward pass), and every rank adds all of
-    them into its table's gradient, which then comes out of the backward pass summed (EmbeddingRMSNormFunction in
-    kernels/add_rmsnorm.py), and its update (a TritonAdamW group of its own) starts at once, while layer 0's and
-    the norms' all-reduces run: the tail shrinks to the rows' gather, their addition and the update.
+    pass computes, can be summed another way, which moves less where ranks x tokens per rank is below the
+    vocabulary size (`embedding_grad_sync` "rows", or "auto" for the rule of gradient_sync.rows_cheaper_than_table;
+    "table", the default, all-reduces it): the ranks gather each other's token ids (during the forward pass) and
+    rows of gradient (at the end of the backward pass), and every rank adds all of them, in a fixed order, into
+    its table's gradient, which then comes out of the backward pass summed (EmbeddingRMSNormFunction in
+    kernels/add_rmsnorm.py); its update (a TritonAdamW group of its own) starts at once, while layer 0's and the
+    norms' all-reduces run: the tail shrinks to the rows' gather, their addition and the update.
     """
 
     def __init__(self, model, optimizer, device, train, warmup_steps: int = 3, weight_gradient_stream=True,
-                 gradient_sync=None, embedding_grad_sync: str = "auto"):
+                 gradient_sync=None, embedding_grad_sync: str = "table"):
         super().__init__(model, optimizer, device, train, warmup_steps)
         if embedding_grad_sync not in EMBEDDING_GRAD_SYNC:
             raise ValueError(f"embedding_grad_sync must be one of {EMBEDDING_GRAD_SYNC}, got {embedding_grad_sync!r}")
@@ -138,7 +139,8 @@ class GraphedStep(GraphReplayedStep):
         start layer 0's all-reduces, update layer 1 (whose sums finished during layer 0's backward) and, once its
         sums are done, layer 0, while the embedding's and the norms' all-reduces (started next, so queued after
         layer 0's) run. The main stream then updates the embedding and the norms (the optimizer step's rest) once
-        their sums are done, instead of one update of everything left after all of the sums."""
+        their sums are done (the embedding at once if its rows were exchanged), instead of one update of everything
+        left after all of the sums."""
         def work():
             # Layer 0's, and those of any layer whose hook never came (the layers below it frozen): every gradient
             # the second stream writes is summed on it.

@@ -42,7 +42,8 @@ does, instead of writing it for a separate kernel to read back. An id outside [0
 its rows come out as NaN (PyTorch's lookup would stop with an error), so a bad batch shows up in the loss.
 Under data parallel the backward kernel can instead write each row's gradient (TABLE_ROWS without SCATTER): the
 ranks then exchange those rows and their token ids, and each adds every rank's rows into its table's gradient
-(`row_exchange`, see EmbeddingRMSNormFunction), which is the table's gradient summed over the ranks.
+(`row_exchange`, see EmbeddingRMSNormFunction), which is the table's gradient summed over the ranks. (The rows of
+ids outside the table are then left unwritten: every rank's addition skips those ids.)
 """
 import torch
 import triton
@@ -50,7 +51,8 @@ import triton.language as tl
 
 from tinytransformer.triton_support import (interpreter_active, interpreter_block, is_gpu, is_rocm,
                                             multiprocessor_count, num_warps_for, small_interpreter_blocks)
-from version4_triton_ultra.kernels.embedding_backward import embedding_backward, embedding_lookup
+from version4_triton_ultra.kernels.embedding_backward import (embedding_backward, embedding_backward_in_order,
+                                                            embedding_lookup)
 
 # One program holds a whole row in registers; beyond this many features it would spill.
 MAX_FEATURES = 8192
@@ -599,7 +601,8 @@ class EmbeddingRMSNormFunction(torch.autograd.Function):
     Under data parallel, `row_exchange` (a gradient_sync.EmbeddingRowExchange, or None) sums the table's
     gradient over the ranks by exchanging what it is made of: the forward pass starts gathering every rank's
     token ids; the backward kernel writes each row's gradient instead of adding it, the ranks gather those rows,
-    and each rank adds all of them into its table's gradient (embedding_backward's atomic additions). That is
+    and each rank adds all of them into its table's gradient (embedding_backward_in_order: in a fixed order, so
+    that every rank gets the same bits and the ranks' weights stay equal). That is
     the sum of the ranks' table gradients, built from ranks x tokens rows instead of an all-reduce of the [V, D]
     table: at the medium preset on two GPUs 2 x 8,192 rows of 1,024 floats (67 MB gathered) instead of 32,000
     (131 MB all-reduced). The norm weight's gradient stays this rank's, for the usual all-reduce.
@@ -624,16 +627,18 @@ class EmbeddingRMSNormFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         # Every rank's ids, gathered while the rest of the forward and the backward pass run.
         ctx.row_exchange = row_exchange
-        ctx.gathering_ids = row_exchange.start(ids) if row_exchange is not None else None
+        ctx.ids_gathering = row_exchange.start(ids) if row_exchange is not None else None
         shape = (*input_ids.shape, n_features)
         return h.view(shape), normed.view(shape)
 
     @staticmethod
     def backward(ctx, grad_h, grad_normed):
         ids, table, weight, rstd = ctx.saved_tensors
-        if grad_h is None and grad_normed is None:
-            return None, None, None, None, None, None
         exchange, grad_weight = ctx.row_exchange, None
+        if grad_h is None and grad_normed is None:
+            if exchange is not None:
+                ctx.ids_gathering.wait()   # a captured graph must not leave a collective it started unwaited
+            return None, None, None, None, None, None
         if grad_normed is not None and exchange is None:   # the usual case: each row's gradient added in place
             grad_table, _, grad_weight = _rms_norm_backward(table, weight, rstd, grad_normed, grad_h, ids=ids)
         else:
@@ -642,12 +647,13 @@ class EmbeddingRMSNormFunction(torch.autograd.Function):
             else:
                 rows, _, grad_weight = _rms_norm_backward(table, weight, rstd, grad_normed, grad_h, ids=ids,
                                                           scatter=False)
-            grad_table = None
-            if exchange is not None:   # every rank's ids and rows; the table's gradient zeroed meanwhile
-                gathering = exchange.start_rows(ctx.gathering_ids, rows)
-                grad_table = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
-                ids, rows = exchange.finish_rows(gathering)
-            grad_table = embedding_backward(ids, rows, table.shape[0], out=grad_table)
+            if exchange is None:
+                grad_table = embedding_backward(ids, rows, table.shape[0])
+            else:   # every rank's ids and rows, added in an order that does not vary (the same bits on every rank)
+                rows_gathering = exchange.start(rows)
+                grad_table = torch.zeros(table.shape, dtype=torch.float32, device=table.device)   # meanwhile
+                grad_table = embedding_backward_in_order(ctx.ids_gathering.wait(), rows_gathering.wait(),
+                                                         table.shape[0], out=grad_table)
         grad_table = grad_table if ctx.needs_input_grad[1] else None
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None and ctx.needs_input_grad[2] else None
         return None, grad_table, grad_weight, None, None, None

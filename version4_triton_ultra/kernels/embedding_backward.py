@@ -16,6 +16,10 @@ per element, all independent. In version 4's graphed step at batch 32 x seq 512 
 H100, `index_add_` took 28.8 us per step; `python run_kernel_benchmarks.py --kernel embedding` times this kernel
 against PyTorch's sort-based backward.
 
+The ranks of a data-parallel run that each add the same gathered rows (the embedding's row exchange) must get
+the same bits, which atomics do not promise: `embedding_backward_in_order` sorts the ids (stably) and lets the
+first position of each run of equal ids add the run's rows in that order, one program per position, no atomics.
+
 `embedding_lookup(input_ids, weight)` is a differentiable lookup whose forward pass is PyTorch's row gather and
 whose backward pass is this kernel. Version 4's model uses the same atomic additions inside the backward kernel of
 its first norm (`embedding_rms_norm` in add_rmsnorm.py), which reads the lookup's gradient from registers instead
@@ -55,15 +59,37 @@ def _embedding_backward_kernel(
                   sem="relaxed")
 
 
-def embedding_backward(input_ids: torch.Tensor, grad_output: torch.Tensor, vocab_size: int,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """The gradient [vocab_size, D] of an embedding weight, from input_ids [...] and grad_output [..., D].
+@triton.jit
+def _embedding_backward_in_order_kernel(
+    sorted_ids_ptr,     # [T] int64: the token ids, sorted (stably: equal ids keep their order)
+    order_ptr,          # [T] int64: the gradient row of each sorted position
+    grad_output_ptr,    # [T, D] float32, contiguous
+    grad_weight_ptr,    # [V, D] float32, zero on entry; each row looked up is written once
+    n_tokens, n_features, vocab_size,
+    BLOCK_D: tl.constexpr,   # power of two >= n_features
+):
+    # One program per sorted position. The first position of each run of equal ids adds the run's rows one
+    # after another, in sorted order, and stores the sum: no atomics, so the same bits on every run.
+    position = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < n_features
+    token = tl.load(sorted_ids_ptr + position)
+    previous = tl.load(sorted_ids_ptr + position - 1, mask=position > 0, other=-1)
+    starts_a_run = (position == 0) | (previous != token)
+    if starts_a_run & (token >= 0) & (token < vocab_size):   # an id outside the table adds nothing
+        total = tl.zeros([BLOCK_D], dtype=tl.float32)
+        next_token = token
+        while next_token == token:
+            row = tl.load(order_ptr + position).to(tl.int64)
+            total += tl.load(grad_output_ptr + row * n_features + cols, mask=col_mask, other=0.0)
+            position += 1
+            next_token = tl.load(sorted_ids_ptr + position, mask=position < n_tokens, other=-1)
+        tl.store(grad_weight_ptr + token.to(tl.int64) * n_features + cols, total, mask=col_mask)
 
-    float32 gradients go through the Triton kernel above (the model's embedding weight is float32); other
-    dtypes through `index_add_`, since atomic additions of 16-bit values are not available on every GPU.
-    `out`: a zeroed [vocab_size, D] tensor of grad_output's dtype to add into (zeroed earlier, where the caller
-    had something to overlap it with), else a new one.
-    """
+
+def _rows_and_output(input_ids, grad_output, vocab_size, out):
+    """The ids [T] and gradient rows [T, D] of an embedding backward, and the zeroed [V, D] gradient to add into
+    (`out` if given: zeroed earlier by the caller, where it had something to overlap the fill with)."""
     n_features = grad_output.shape[-1]
     ids = input_ids.reshape(-1)
     grad_rows = grad_output.reshape(-1, n_features)
@@ -74,17 +100,56 @@ def embedding_backward(input_ids: torch.Tensor, grad_output: torch.Tensor, vocab
     elif out.shape != (vocab_size, n_features) or out.dtype != grad_output.dtype:
         raise ValueError(f"out must be [{vocab_size}, {n_features}] {grad_output.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
-    grad_weight = out
-    usable = grad_output.dtype == torch.float32 and (is_gpu(grad_output.device) or interpreter_active())
-    if not usable:
+    return ids, grad_rows, out
+
+
+def _runs_in_triton(grad_output: torch.Tensor) -> bool:
+    return grad_output.dtype == torch.float32 and (is_gpu(grad_output.device) or interpreter_active())
+
+
+def embedding_backward(input_ids: torch.Tensor, grad_output: torch.Tensor, vocab_size: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient [vocab_size, D] of an embedding weight, from input_ids [...] and grad_output [..., D].
+
+    float32 gradients go through the Triton kernel above (the model's embedding weight is float32); other
+    dtypes through `index_add_`, since atomic additions of 16-bit values are not available on every GPU.
+    `out`: a zeroed [vocab_size, D] tensor of grad_output's dtype to add into, else a new one.
+    """
+    ids, grad_rows, grad_weight = _rows_and_output(input_ids, grad_output, vocab_size, out)
+    if not _runs_in_triton(grad_output):
         return grad_weight.index_add_(0, ids, grad_rows)
     if ids.shape[0] == 0:
         return grad_weight
+    n_features = grad_rows.shape[1]
     block_d = triton.next_power_of_2(n_features)
     block_t = max(1, min(16, TILE_ELEMENTS // block_d))
     _embedding_backward_kernel[(triton.cdiv(ids.shape[0], block_t),)](
         ids.contiguous(), grad_rows.contiguous(), grad_weight, ids.shape[0], n_features, vocab_size,
         BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+    return grad_weight
+
+
+def embedding_backward_in_order(input_ids: torch.Tensor, grad_output: torch.Tensor, vocab_size: int,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
+    """embedding_backward, with the same bits on every run: each row of the gradient is the sum of its tokens'
+    rows added one after another in the order they come (a stable sort of the ids, then the kernel above).
+
+    Data parallel needs this where every rank adds the same rows itself (the embedding's row exchange,
+    EmbeddingRMSNormFunction in add_rmsnorm.py): atomic additions land in an order that varies from run to run,
+    so the ranks' gradients, and then their weights, would drift apart in the last bits. The sort costs a few
+    tens of microseconds at 16,384 ids; one program per id reads each of its rows once. On the CPU without
+    Triton's interpreter this is `index_add_`, which adds in order there; so are other dtypes (in order on the
+    CPU only: the data-parallel exchange sends float32 rows).
+    """
+    ids, grad_rows, grad_weight = _rows_and_output(input_ids, grad_output, vocab_size, out)
+    if not _runs_in_triton(grad_output):
+        return grad_weight.index_add_(0, ids, grad_rows)
+    if ids.shape[0] == 0:
+        return grad_weight
+    sorted_ids, order = torch.sort(ids, stable=True)
+    _embedding_backward_in_order_kernel[(ids.shape[0],)](
+        sorted_ids, order, grad_rows.contiguous(), grad_weight, ids.shape[0], grad_rows.shape[1], vocab_size,
+        BLOCK_D=triton.next_power_of_2(grad_rows.shape[1]), num_warps=4)
     return grad_weight
 
 

@@ -149,11 +149,19 @@ def model_paths(run_stage, v4, embedding_backward):
         embedding_backward.embedding_backward(torch.zeros(rows, dtype=torch.long),
                                               torch.empty(rows, config.hidden_dim), config.vocab_size)
 
+    def v4_embedding_rows_of_two_ranks(config, train):
+        # Under torchrun with --embedding-grad-sync rows, each rank adds both ranks' gathered rows in a fixed
+        # order; a one-process step never does, so it is called directly, at two ranks' rows.
+        rows = 2 * train.batch_size * train.seq_len
+        embedding_backward.embedding_backward_in_order(torch.zeros(rows, dtype=torch.long),
+                                                       torch.empty(rows, config.hidden_dim), config.vocab_size)
+
     return [("v3", v3_stage(5)), ("v3 --stage 2", v3_stage(2)), ("v3 --stage 4", v3_stage(4)),
             ("v4", v4_model()), ("v4 --rope-in-attention", v4_model(rope_in_attention=True)),
             ("v4 --separate-swiglu", v4_model(separate_swiglu=True)),
             ("v4 --swiglu-in-gemms", v4_model(separate_swiglu=False)),
-            ("v4 embedding_backward()", v4_embedding_backward)]
+            ("v4 embedding_backward()", v4_embedding_backward),
+            ("v4 --embedding-grad-sync rows, 2 ranks", v4_embedding_rows_of_two_ranks)]
 
 
 def discover(gpu, preset: str, modules=None) -> list[Launch]:

@@ -91,7 +91,7 @@ def test_embedding_backward_in_order_adds_each_tokens_rows_in_the_order_they_com
     nothing; rows no token looked up stay zero."""
     rows = torch.tensor([[1.0, 2.0], [5.0, 5.0], [1e8, 3.0], [-1e8, -4.0], [7.0, 7.0], [9.0, 9.0]])
     ids = torch.tensor([3, 0, 3, 3, -1, 6])   # V = 5: -1 and 6 are outside
-    got = emb.embedding_backward_in_order(ids.to(device), rows.to(device), vocab_size=5)
+    got = emb.embedding_backward_in_order(emb.token_order(ids.to(device)), rows.to(device), vocab_size=5)
     expected = sequential_reference(ids, rows, 5)
     assert torch.equal(got.cpu(), expected)
     assert got[3, 0].item() == 0.0   # not 1.0: the order was kept
@@ -105,15 +105,15 @@ def test_embedding_backward_in_order_matches_the_sequential_sum(n_tokens, vocab_
     ids = torch.randint(0, vocab_size, (n_tokens,), generator=generator)
     rows = torch.randn(n_tokens, dim, generator=generator)
     out = torch.zeros(vocab_size, dim, device=device)
-    got = emb.embedding_backward_in_order(ids.to(device), rows.to(device), vocab_size, out=out)
+    got = emb.embedding_backward_in_order(emb.token_order(ids.to(device)), rows.to(device), vocab_size, out=out)
     assert got is out   # added into the tensor given
     assert torch.equal(got.cpu(), sequential_reference(ids, rows, vocab_size))
 
 
 def test_embedding_backward_rejects_a_wrong_out(device):
     with pytest.raises(ValueError, match=r"out must be \[5, 4\] torch.float32"):
-        emb.embedding_backward_in_order(torch.zeros(2, dtype=torch.long, device=device), torch.ones(2, 4, device=device),
-                                        5, out=torch.zeros(5, 3, device=device))
+        emb.embedding_backward_in_order(emb.token_order(torch.zeros(2, dtype=torch.long, device=device)),
+                                        torch.ones(2, 4, device=device), 5, out=torch.zeros(5, 3, device=device))
 
 
 @pytest.mark.gpu
@@ -124,8 +124,8 @@ def test_embedding_backward_in_order_is_the_same_every_run_gpu(device):
     generator = torch.Generator().manual_seed(191)
     ids = torch.randint(0, 50, (16384,), generator=generator).to(device)
     rows64 = torch.randn(16384, 1024, generator=generator, dtype=torch.float64).to(device)
-    first = emb.embedding_backward_in_order(ids, rows64.float(), 50)
-    second = emb.embedding_backward_in_order(ids, rows64.float(), 50)
+    first = emb.embedding_backward_in_order(emb.token_order(ids), rows64.float(), 50)
+    second = emb.embedding_backward_in_order(emb.token_order(ids), rows64.float(), 50)
     assert torch.equal(first, second)
     reference = torch.zeros(50, 1024, dtype=torch.float64, device=device).index_add_(0, ids, rows64)
     assert_matches(first, reference, torch.float32, "grad weight")

@@ -153,8 +153,9 @@ def model_paths(run_stage, v4, embedding_backward):
         # Under torchrun with --embedding-grad-sync rows, each rank adds both ranks' gathered rows in a fixed
         # order; a one-process step never does, so it is called directly, at two ranks' rows.
         rows = 2 * train.batch_size * train.seq_len
-        embedding_backward.embedding_backward_in_order(torch.zeros(rows, dtype=torch.long),
-                                                       torch.empty(rows, config.hidden_dim), config.vocab_size)
+        ordered_ids = embedding_backward.token_order(torch.zeros(rows, dtype=torch.long))
+        embedding_backward.embedding_backward_in_order(ordered_ids, torch.empty(rows, config.hidden_dim),
+                                                       config.vocab_size)
 
     return [("v3", v3_stage(5)), ("v3 --stage 2", v3_stage(2)), ("v3 --stage 4", v3_stage(4)),
             ("v4", v4_model()), ("v4 --rope-in-attention", v4_model(rope_in_attention=True)),

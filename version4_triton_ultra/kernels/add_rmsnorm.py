@@ -52,7 +52,7 @@ import triton.language as tl
 from tinytransformer.triton_support import (interpreter_active, interpreter_block, is_gpu, is_rocm,
                                             multiprocessor_count, num_warps_for, small_interpreter_blocks)
 from version4_triton_ultra.kernels.embedding_backward import (embedding_backward, embedding_backward_in_order,
-                                                            embedding_lookup)
+                                                            embedding_lookup, token_order)
 
 # One program holds a whole row in registers; beyond this many features it would spill.
 MAX_FEATURES = 8192
@@ -651,9 +651,11 @@ class EmbeddingRMSNormFunction(torch.autograd.Function):
                 grad_table = embedding_backward(ids, rows, table.shape[0])
             else:   # every rank's ids and rows, added in an order that does not vary (the same bits on every rank)
                 rows_gathering = exchange.start(rows)
-                grad_table = torch.zeros(table.shape, dtype=torch.float32, device=table.device)   # meanwhile
-                grad_table = embedding_backward_in_order(ctx.ids_gathering.wait(), rows_gathering.wait(),
-                                                         table.shape[0], out=grad_table)
+                # While the rows travel: the table's gradient zeroed, and every rank's ids sorted.
+                grad_table = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
+                ordered_ids = token_order(ctx.ids_gathering.wait())
+                grad_table = embedding_backward_in_order(ordered_ids, rows_gathering.wait(), table.shape[0],
+                                                         out=grad_table)
         grad_table = grad_table if ctx.needs_input_grad[1] else None
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None and ctx.needs_input_grad[2] else None
         return None, grad_table, grad_weight, None, None, None

@@ -129,27 +129,34 @@ def embedding_backward(input_ids: torch.Tensor, grad_output: torch.Tensor, vocab
     return grad_weight
 
 
-def embedding_backward_in_order(input_ids: torch.Tensor, grad_output: torch.Tensor, vocab_size: int,
-                                out: torch.Tensor | None = None) -> torch.Tensor:
+def token_order(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the ids sorted, the position each sorted id came from): a stable sort, so equal ids keep their order. The
+    first half of embedding_backward_in_order, on its own so that a caller can sort while the rows are still
+    arriving (the data-parallel row exchange)."""
+    return torch.sort(input_ids.reshape(-1), stable=True)
+
+
+def embedding_backward_in_order(ordered_ids: tuple[torch.Tensor, torch.Tensor], grad_output: torch.Tensor,
+                                vocab_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """embedding_backward, with the same bits on every run: each row of the gradient is the sum of its tokens'
-    rows added one after another in the order they come (a stable sort of the ids, then the kernel above).
+    rows added one after another in the order they come. `ordered_ids`: token_order(input_ids).
 
     Data parallel needs this where every rank adds the same rows itself (the embedding's row exchange,
     EmbeddingRMSNormFunction in add_rmsnorm.py): atomic additions land in an order that varies from run to run,
-    so the ranks' gradients, and then their weights, would drift apart in the last bits. The sort costs a few
-    tens of microseconds at 16,384 ids; one program per id reads each of its rows once. On the CPU without
-    Triton's interpreter this is `index_add_`, which adds in order there; so are other dtypes (in order on the
-    CPU only: the data-parallel exchange sends float32 rows).
+    so the ranks' gradients, and then their weights, would drift apart in the last bits. One program per sorted
+    position; the first of each run of equal ids reads the run's rows once. On the CPU without Triton's
+    interpreter this is `index_add_` in sorted order; so are other dtypes (in order on the CPU only: the
+    data-parallel exchange sends float32 rows).
     """
-    ids, grad_rows, grad_weight = _rows_and_output(input_ids, grad_output, vocab_size, out)
+    sorted_ids, order = ordered_ids
+    _, grad_rows, grad_weight = _rows_and_output(sorted_ids, grad_output, vocab_size, out)
     if not _runs_in_triton(grad_output):
-        return grad_weight.index_add_(0, ids, grad_rows)
-    if ids.shape[0] == 0:
+        return grad_weight.index_add_(0, sorted_ids, grad_rows[order])
+    if sorted_ids.shape[0] == 0:
         return grad_weight
-    sorted_ids, order = torch.sort(ids, stable=True)
-    _embedding_backward_in_order_kernel[(ids.shape[0],)](
-        sorted_ids, order, grad_rows.contiguous(), grad_weight, ids.shape[0], grad_rows.shape[1], vocab_size,
-        BLOCK_D=triton.next_power_of_2(grad_rows.shape[1]), num_warps=4)
+    _embedding_backward_in_order_kernel[(sorted_ids.shape[0],)](
+        sorted_ids, order, grad_rows.contiguous(), grad_weight, sorted_ids.shape[0], grad_rows.shape[1],
+        vocab_size, BLOCK_D=triton.next_power_of_2(grad_rows.shape[1]), num_warps=4)
     return grad_weight
 
 

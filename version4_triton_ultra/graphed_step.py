@@ -13,6 +13,12 @@ from tinytransformer.training.step import EagerStep
 EMBEDDING_GRAD_SYNC = ("auto", "rows", "table")
 
 
+def exchanges_embedding_rows(mode: str, world_size: int, tokens_per_rank: int, vocab_size: int) -> bool:
+    """--embedding-grad-sync's rule: whether the embedding's gradient is summed by exchanging rows ("rows" always,
+    "auto" while gradient_sync.rows_cheaper_than_table says so) rather than by all-reducing the table."""
+    return mode == "rows" or (mode == "auto" and rows_cheaper_than_table(world_size, tokens_per_rank, vocab_size))
+
+
 def uses_graph(args, device) -> bool:
     """The same rule as version 2's --cuda-graph: on a GPU, unless float16 AMP's GradScaler makes host-side
     decisions every step, which a replayed graph cannot."""
@@ -89,13 +95,13 @@ class GraphedStep(GraphReplayedStep):
     def _embedding_row_exchange(self, inputs):
         """The EmbeddingRowExchange this step's embedding backward sums with, or None (summed by all-reduce, or
         no data parallel)."""
-        if self.gradient_sync is None or self.embedding_grad_sync == "table":
+        if self.gradient_sync is None:
             return None
         table = self.model.embed_tokens.weight
         if table.dtype != torch.float32 or not table.requires_grad:
             return None   # the fused lookup's backward (which exchanges) needs a float32 table to train
-        if self.embedding_grad_sync == "auto" and not rows_cheaper_than_table(
-                self.gradient_sync.world_size, inputs.numel(), table.shape[0]):
+        if not exchanges_embedding_rows(self.embedding_grad_sync, self.gradient_sync.world_size, inputs.numel(),
+                                        table.shape[0]):
             return None
         return self.gradient_sync.row_exchange()
 

@@ -67,7 +67,6 @@ enable_interpreter_if_no_gpu()  # must precede the first `import triton` (inside
 from tinytransformer import distributed  # noqa: E402
 from tinytransformer.cli import VersionSpec, build_parser, resolve_configs, run  # noqa: E402
 from tinytransformer.config import ConfigError, ModelConfig, head_dim_advice  # noqa: E402
-from tinytransformer.gradient_sync import rows_cheaper_than_table  # noqa: E402
 from tinytransformer.precision import (  # noqa: E402
     add_tf32_arguments, apply_tf32_argument, describe_float32_matmuls)
 from tinytransformer.profiling.ranges import profile_range  # noqa: E402
@@ -559,9 +558,7 @@ def embedding_grad_sync_of_args(args) -> str:
     """How the graph-captured step under torchrun sums the embedding's gradient (GraphedStep's rule), in words."""
     config, train = resolve_configs(args)
     ranks, tokens = distributed.launcher_int(os.environ, "WORLD_SIZE"), train.batch_size * train.seq_len
-    rows = args.embedding_grad_sync == "rows" or (
-        args.embedding_grad_sync == "auto" and rows_cheaper_than_table(ranks, tokens, config.vocab_size))
-    if rows:
+    if graphed_step.exchanges_embedding_rows(args.embedding_grad_sync, ranks, tokens, config.vocab_size):
         return (f"summed by gathering every rank's token rows ({ranks} x {tokens:,} rows, not the "
                 f"{config.vocab_size:,}-row table; --embedding-grad-sync)")
     if args.embedding_grad_sync == "table" or ranks == 1:

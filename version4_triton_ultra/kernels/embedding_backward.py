@@ -107,15 +107,13 @@ def _runs_in_triton(grad_output: torch.Tensor) -> bool:
     return grad_output.dtype == torch.float32 and (is_gpu(grad_output.device) or interpreter_active())
 
 
-def embedding_backward(input_ids: torch.Tensor, grad_output: torch.Tensor, vocab_size: int,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+def embedding_backward(input_ids: torch.Tensor, grad_output: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The gradient [vocab_size, D] of an embedding weight, from input_ids [...] and grad_output [..., D].
 
     float32 gradients go through the Triton kernel above (the model's embedding weight is float32); other
     dtypes through `index_add_`, since atomic additions of 16-bit values are not available on every GPU.
-    `out`: a zeroed [vocab_size, D] tensor of grad_output's dtype to add into, else a new one.
     """
-    ids, grad_rows, grad_weight = _rows_and_output(input_ids, grad_output, vocab_size, out)
+    ids, grad_rows, grad_weight = _rows_and_output(input_ids, grad_output, vocab_size, None)
     if not _runs_in_triton(grad_output):
         return grad_weight.index_add_(0, ids, grad_rows)
     if ids.shape[0] == 0:

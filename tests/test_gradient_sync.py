@@ -262,6 +262,56 @@ def test_two_ranks_averaging_their_own_gradients_equal_one_process(tmp_path):
     assert_same_training(metrics, reference)
 
 
+def adjacent_gradients_worker(rank: int, world: int, port: int, out_dir: str, reduce_dtype: str) -> None:
+    """Each rank: large gradients (the small-gradient limit at 4 values) that are pieces of one flat buffer, in
+    order (a, b, c), then one of their own (d), then a piece of the buffer that does not follow c (e: a gap of 2
+    values after c). a, b, c travel as one collective over the buffer itself; d and e each alone."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        context = dataclasses.replace(context_of(rank, world), grad_reduce_dtype=reduce_dtype)
+        sync = GradientAllReduce(context)
+        sync.SMALL_GRADIENT_ELEMENTS = 4
+        flat = (torch.arange(40.0) + 1) * (rank + 1)
+        pieces = {"a": flat[0:6].view(2, 3), "b": flat[6:14], "c": flat[14:20].view(3, 2), "e": flat[22:30]}
+        grads = {**pieces, "d": torch.full((5,), 2.0 * (rank + 1))}
+        params = {name: torch.nn.Parameter(torch.zeros(grad.shape)) for name, grad in grads.items()}
+        for name, param in params.items():
+            param.grad = grads[name]
+        reduced, original = [], dist.all_reduce
+
+        def recording(tensor, **kwargs):
+            reduced.append((tensor.numel(), tensor.data_ptr() == flat.data_ptr()))
+            return original(tensor, **kwargs)
+
+        dist.all_reduce = recording
+        try:
+            sync.finish(sync.start_sum([params[name] for name in "abcde"]))
+        finally:
+            dist.all_reduce = original
+        torch.save({"flat": flat, "d": params["d"].grad, "reduced": reduced,
+                    "shares": all(params[name].grad.data_ptr() == pieces[name].data_ptr() for name in pieces)},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_adjacent_gradients_are_summed_as_one(reduce_dtype, tmp_path):
+    """Gradients that lie one after another in one buffer (version 4's layer buffers) are summed by one
+    collective over them all, in place in float32; the others alone; every sum is right and stays where it was."""
+    mp.spawn(adjacent_gradients_worker, args=(2, distributed.free_port(), str(tmp_path), reduce_dtype), nprocs=2,
+             join=True)
+    expected = (torch.arange(40.0) + 1) * 3
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        in_place = reduce_dtype == "float32"   # in bfloat16 the one collective is over a bfloat16 copy
+        assert got["reduced"] == [(20, in_place), (5, False), (8, False)]
+        assert got["shares"]   # the gradients are still the buffer's pieces
+        touched = torch.cat([expected[:20], expected[22:30]])   # the gap (20:22) and the tail were not summed
+        torch.testing.assert_close(torch.cat([got["flat"][:20], got["flat"][22:30]]), touched, rtol=0, atol=0)
+        torch.testing.assert_close(got["flat"][20:22], torch.tensor([21.0, 22.0]) * (rank + 1), rtol=0, atol=0)
+        torch.testing.assert_close(got["d"], torch.full((5,), 6.0), rtol=0, atol=0)
+
 # ----------------------------------------------------------------------------------------------------------
 # --grad-reduce-dtype bfloat16: the sums travel and are added in bfloat16, the gradients stay float32
 # ----------------------------------------------------------------------------------------------------------

@@ -56,17 +56,17 @@ def test_torchrun_without_the_graph_keeps_ddp(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("flags", [[], ["--use-amp", "--amp-dtype", "bfloat16"], ["--torch-adamw"],
-                                   ["--embedding-grad-sync", "auto"],
+                                   ["--embedding-grad-sync", "table"],
                                    ["--use-amp", "--amp-dtype", "bfloat16", "--embedding-grad-sync", "rows"]],
-                         ids=["fp32", "bf16", "torch-adamw", "embedding-rows", "bf16-embedding-rows"])
+                         ids=["fp32", "bf16", "torch-adamw", "embedding-table", "bf16-embedding-rows"])
 def test_two_gpus_in_the_graph_equal_one_gpu(flags, tmp_path):
     """2 ranks x batch 4 == 1 process x batch 8, with test_two_gpus_equal_one_gpu's tolerance (TF32 and the
-    embedding backward's atomics). The embedding's gradient all-reduced, or summed by gathering the ranks' rows
-    (2 x 64 tokens against a 300-row vocabulary: auto picks the rows)."""
+    embedding backward's atomics). The embedding's gradient summed by gathering the ranks' rows (2 x 64 tokens
+    against a 300-row vocabulary: auto, the default, picks the rows), or all-reduced (table)."""
     _, single = v4_losses(tmp_path, "single", None, 8, *flags)
     out, two = v4_losses(tmp_path, "two", 2, 4, *flags)
     assert GRAPH_NOTE in out and "over 2 rank(s) (nccl" in out
-    by_rows = "rows" in flags or "auto" in flags
+    by_rows = "table" not in flags   # auto, the default, picks the rows here
     assert ("embed grad  : the table all-reduced" in out) != by_rows
     assert ("embed grad  : summed by gathering every rank's token rows (2 x 64 rows" in out) == by_rows
     assert two.shape == single.shape and np.isfinite(two).all()

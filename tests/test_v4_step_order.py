@@ -33,11 +33,16 @@ class StreamStandIn:
         self.unjoined = set()          # ids of weights whose gradient the second stream wrote since the last join
         self.work_since_join = False   # the step must end with the main stream joined to the second
         self.unwaited_reads = set()    # ids of weights the main stream read since the second stream last waited
+        self.gradient_slots = {}       # as WeightGradientStream's: where a first gradient is written
 
     def queue(self, weight, grad_y, x):
         self.on_gemm(weight)
         gradient = grad_y.T.float() @ x.float()
-        weight.grad = gradient if weight.grad is None else weight.grad + gradient
+        if weight.grad is None:
+            slot = self.gradient_slots.pop(id(weight), None)
+            weight.grad = gradient if slot is None else slot.copy_(gradient)
+        else:
+            weight.grad = weight.grad + gradient
         self.unjoined.add(id(weight))
         self.work_since_join = True
 
@@ -233,6 +238,21 @@ def test_one_step_updates_and_sums_everything_once_in_a_safe_order(layers, data_
         # (beside the rest's update); in one process layer 0's waits for the rest.
         expected = {index for layer, index in step.layer_groups.items() if data_parallel or layer > 0}
         assert step.updated_groups == expected
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_under_data_parallel_each_layers_gradients_lie_in_one_buffer(layers, monkeypatch):
+    """Under data parallel the second stream writes each layer's projection gradients one after another into one
+    buffer of that layer and nothing else (the output head's gradient, which the loss computes, has its own), so
+    that GradientAllReduce sums each layer with one collective and no memory is left unused."""
+    from tinytransformer.gradient_sync import adjacent
+    model, _, _, _, _, _, problems = one_step(monkeypatch, layers, True, True, True)
+    assert not problems, problems
+    for k in range(layers):
+        grads = [p.grad for p in model.layer_projection_parameters(k) if p is not model.lm_head.weight]
+        assert all(grad is not None for grad in grads) and adjacent(*grads), f"layer {k}"
+        assert grads[0].untyped_storage().nbytes() == sum(grad.numel() * grad.element_size() for grad in grads)
+    assert model.lm_head.weight.grad is not None
 
 
 @pytest.mark.parametrize("triton_adamw", [True, False], ids=["triton", "torch"])

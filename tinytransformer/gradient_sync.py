@@ -50,7 +50,10 @@ class GradientAllReduce:
     summing each on its own queues 25 collectives that move almost nothing. Gradients of fewer than
     `SMALL_GRADIENT_ELEMENTS` values are therefore copied into one buffer, summed with one all-reduce and copied
     back; a larger gradient is summed on its own (in place, or in its bfloat16 copy with --grad-reduce-dtype
-    bfloat16): a copy of it into a shared buffer would cost more than its collective's fixed cost.
+    bfloat16): a copy of it into a shared buffer would cost more than its collective's fixed cost. Unless it
+    already shares one: consecutive large gradients that lie one after another in one block of memory (`adjacent`:
+    version 4's step writes each layer's projection gradients into one buffer of that layer) are summed by one
+    collective over a view covering them, as DDP's buckets are: one collective per layer instead of four.
     """
 
     SMALL_GRADIENT_ELEMENTS = 1 << 16
@@ -71,26 +74,35 @@ class GradientAllReduce:
             self._write_back(buffer, grads)
 
     def _wire_groups(self, params: Iterable[torch.nn.Parameter]) -> list[list[torch.Tensor]]:
-        """The gradients of `params` grouped by collective: the small ones together (first), each large one alone,
-        in the order given (the same on every rank, as collectives must be)."""
+        """The gradients of `params` grouped by collective: the small ones together (first), then the large ones
+        in the order given (the same on every rank, as collectives must be), each alone or, where consecutive
+        ones lie next to each other in one buffer (adjacent), with its neighbours."""
         grads = [param.grad for param in params if param.grad is not None]
         small = [grad for grad in grads if grad.numel() < self.SMALL_GRADIENT_ELEMENTS]
-        large = [[grad] for grad in grads if grad.numel() >= self.SMALL_GRADIENT_ELEMENTS]
-        return ([small] if small else []) + large
+        runs = []
+        for grad in (grad for grad in grads if grad.numel() >= self.SMALL_GRADIENT_ELEMENTS):
+            if runs and adjacent(runs[-1][-1], grad):
+                runs[-1].append(grad)
+            else:
+                runs.append([grad])
+        return ([small] if small else []) + runs
 
     def _wire_buffer(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """What is all-reduced for `grads`: a lone gradient itself or its copy in the reduce dtype, or several in one
-        flat buffer."""
-        if len(grads) == 1:
-            return grads[0].to(self.reduce_dtype)   # the gradient itself when it has that dtype already
+        """What is all-reduced for `grads`: a lone gradient itself, or one view over adjacent ones, or their copy
+        in the reduce dtype; or several scattered ones copied into one flat buffer."""
+        if len(grads) == 1 or adjacent(*grads):
+            covering = grads[0] if len(grads) == 1 else one_view(grads)
+            return covering.to(self.reduce_dtype)   # the gradients themselves when they have that dtype already
         return torch.cat([grad.reshape(-1).to(self.reduce_dtype) for grad in grads])
 
     @staticmethod
     def _write_back(buffer: torch.Tensor, grads: list[torch.Tensor]) -> None:
-        if buffer is grads[0]:
-            return
+        if buffer.data_ptr() == grads[0].data_ptr() and buffer.dtype == grads[0].dtype:
+            return   # summed in place: the buffer is the gradients' own memory
         if len(grads) == 1:
             grads[0].copy_(buffer)
+        elif adjacent(*grads):
+            one_view(grads).copy_(buffer)
         else:
             sums = buffer.split([grad.numel() for grad in grads])
             torch._foreach_copy_(grads, [piece.view_as(grad) for piece, grad in zip(sums, grads)])
@@ -133,6 +145,21 @@ class GradientAllReduce:
         summed_in = "" if self.reduce_dtype == torch.float32 else f", summed in {self.context.grad_reduce_dtype}"
         return (f"gradients averaged in {where} (all-reduce, no DDP wrapper) over {self.context.world_size} "
                 f"rank(s) ({self.context.backend_label}){summed_in}")
+
+
+def adjacent(*tensors: torch.Tensor) -> bool:
+    """Whether these contiguous tensors of one dtype lie one after another in one block of memory (gradients
+    written into one flat buffer: GraphedStep's layer buffers), so that one view covers them all."""
+    return all(a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype and a.device == b.device
+               and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+               and a.data_ptr() + a.numel() * a.element_size() == b.data_ptr()
+               for a, b in zip(tensors, tensors[1:]))
+
+
+def one_view(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One flat view over adjacent tensors (see adjacent)."""
+    first = tensors[0]
+    return first.as_strided((sum(t.numel() for t in tensors),), (1,), first.storage_offset())
 
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single; older torch has only the first.

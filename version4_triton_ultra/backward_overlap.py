@@ -41,6 +41,9 @@ class WeightGradientStream:
         self.stream = torch.cuda.Stream(device)
         self.max_pending = max_pending
         self.pending = []   # (event after the GEMM, grad_y, x), oldest first
+        # id(weight) -> the tensor its gradient is written into when it has none yet (GraphedStep's layer buffers
+        # under data parallel); a weight not in it gets a gradient of its own.
+        self.gradient_slots = {}
 
     def queue(self, weight: torch.Tensor, grad_y: torch.Tensor, x: torch.Tensor) -> None:
         """weight.grad (+)= grad_y^T @ x on the side stream; grad_y: [rows, out], x: [rows, in]."""
@@ -50,7 +53,8 @@ class WeightGradientStream:
         first = weight.grad is None   # else a second backward before the optimizer step: accumulate
         if first:
             # Allocated on the main stream, which reads it (the optimizer) and frees it (zero_grad).
-            weight.grad = torch.empty_like(weight)
+            slot = self.gradient_slots.pop(id(weight), None)
+            weight.grad = slot if slot is not None else torch.empty_like(weight)
         self.stream.wait_stream(main)   # grad_y and x are produced on the main stream
         with torch.cuda.stream(self.stream):
             if first:

@@ -63,8 +63,8 @@ class GraphedStep(GraphReplayedStep):
 
     The embedding's gradient, the largest (32,000 x 1,024 floats at the medium preset) and the last the backward
     pass computes, can be summed another way, which moves less where ranks x tokens per rank is below the
-    vocabulary size (`embedding_grad_sync` "rows", or "auto" for the rule of gradient_sync.rows_cheaper_than_table;
-    "table", the default, all-reduces it): the ranks gather each other's token ids (during the forward pass) and
+    vocabulary size (`embedding_grad_sync` "rows", or "auto", the default, for the rule of
+    gradient_sync.rows_cheaper_than_table; "table" all-reduces it): the ranks gather each other's token ids (during the forward pass) and
     rows of gradient (at the end of the backward pass), and every rank adds all of them, in a fixed order, into
     its table's gradient, which then comes out of the backward pass summed (EmbeddingRMSNormFunction in
     kernels/add_rmsnorm.py); its update (a TritonAdamW group of its own) starts at once, while layer 0's and the
@@ -72,7 +72,7 @@ class GraphedStep(GraphReplayedStep):
     """
 
     def __init__(self, model, optimizer, device, train, warmup_steps: int = 3, weight_gradient_stream=True,
-                 gradient_sync=None, embedding_grad_sync: str = "table"):
+                 gradient_sync=None, embedding_grad_sync: str = "auto"):
         super().__init__(model, optimizer, device, train, warmup_steps)
         if embedding_grad_sync not in EMBEDDING_GRAD_SYNC:
             raise ValueError(f"embedding_grad_sync must be one of {EMBEDDING_GRAD_SYNC}, got {embedding_grad_sync!r}")
@@ -104,6 +104,24 @@ class GraphedStep(GraphReplayedStep):
                                         table.shape[0]):
             return None
         return self.gradient_sync.row_exchange()
+
+    def _layer_gradient_buffers(self) -> dict:
+        """Under data parallel: the gradients the second stream writes (each layer's projections), per layer as
+        pieces of one flat buffer, so that the layer's all-reduce is one collective (GradientAllReduce sums
+        adjacent gradients as one), as DDP's buckets are: a quarter of the collectives, each moving more.
+        id(weight) -> its piece, for the second stream to write into (WeightGradientStream.gradient_slots). The
+        output head is left out: the loss computes its gradient, which autograd then hands over."""
+        written_on_second_stream = {id(m.weight) for m in self.model.projections if m.weight_grad_stream is not None}
+        slots = {}
+        for k in range(len(self.model.layers)):
+            params = [p for p in self.model.layer_projection_parameters(k)
+                      if id(p) in written_on_second_stream and p.requires_grad and p.grad is None]
+            if not params:
+                continue
+            flat = torch.empty(sum(p.numel() for p in params), device=params[0].device)
+            for param, piece in zip(params, flat.split([p.numel() for p in params])):
+                slots[id(param)] = piece.view_as(param)
+        return slots
 
     def _start_sums(self, params) -> list:
         started = [p for p in params if p.grad is not None and id(p) not in self.summed_params]
@@ -190,6 +208,8 @@ class GraphedStep(GraphReplayedStep):
         self.layer_sums, self.main_sums, self.summed_params, self.updated_groups = {}, [], set(), set()
         self.model.embedding_row_exchange = self._embedding_row_exchange(inputs)
         exchanged = self.model.embedding_row_exchange is not None
+        if self.sums_by_layer:
+            self.model.weight_grad_stream.gradient_slots = self._layer_gradient_buffers()
         if exchanged:   # its backward sums the embedding's gradient itself
             self.summed_params.add(id(self.model.embed_tokens.weight))
         try:
@@ -211,6 +231,8 @@ class GraphedStep(GraphReplayedStep):
                     self.model.join_weight_gradients()   # the second stream's GEMMs finish before the optimizer
         finally:
             self.model.early_update = self.model.layer_gradients_queued = self.model.embedding_row_exchange = None
+            if self.sums_by_layer:
+                self.model.weight_grad_stream.gradient_slots = {}   # those not written (frozen weights) go
         with profile_range("optimizer"):
             # The groups the backward pass did not update: the rest, and any layer whose hook never came (a
             # backward pass that stops early, e.g. with the layers below frozen, leaves them to this point).

@@ -437,10 +437,10 @@ def add_arguments(group):
                             "in a kernel of their own, instead of version 4's Triton AdamW (to compare)")
     group.add_argument("--graph-warmup-steps", type=int, default=3,
                        help="eager steps before the graph is captured")
-    group.add_argument("--embedding-grad-sync", choices=graphed_step.EMBEDDING_GRAD_SYNC, default="table",
+    group.add_argument("--embedding-grad-sync", choices=graphed_step.EMBEDDING_GRAD_SYNC, default="auto",
                        help="under torchrun, in the graph-captured step: sum the embedding's gradient over the "
-                            "ranks by all-reducing the table (table, the default) or by gathering every rank's token "
-                            "rows (rows); auto: rows while ranks x tokens per rank <= vocabulary size")
+                            "ranks by all-reducing the table (table) or by gathering every rank's token rows (rows); "
+                            "auto (the default): rows while ranks x tokens per rank <= vocabulary size")
 
 
 def shape_problem(config: ModelConfig, batch_size: int, seq_len: int, gemm_dtype: torch.dtype = torch.float32,

@@ -288,3 +288,18 @@ def test_the_embedding_is_summed_once_by_rows_or_by_the_table(embedding_grad_syn
     norms_group = step.embedding_group - 1
     assert (updates.index(step.embedding_group) < updates.index(norms_group)) == exchanged
     assert model.embedding_row_exchange is None   # set for the step only
+
+
+def test_a_layers_gradient_buffer_is_made_when_its_first_gradient_is_written():
+    """graphed_step.LayerGradientBuffers makes a layer's buffer only when one of its weights asks (in the backward
+    pass), hands out each piece once, and has nothing for a weight it was not given."""
+    layers = [[torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))],
+              [torch.nn.Parameter(torch.zeros(5))]]
+    buffers = graphed_step.LayerGradientBuffers(layers)
+    assert buffers.pieces == {}   # nothing allocated before the backward pass
+    second = buffers.pop(id(layers[0][1]))
+    assert second.shape == (4,) and set(buffers.pieces) == {id(layers[0][0])}   # layer 0's buffer only
+    first = buffers.pop(id(layers[0][0]))
+    assert first.shape == (2, 3) and first.data_ptr() + 6 * first.element_size() == second.data_ptr()
+    assert buffers.pop(id(layers[0][0])) is None and buffers.pop(12345, "none") == "none"
+    assert buffers.pop(id(layers[1][0])).shape == (5,)

@@ -41,8 +41,8 @@ class WeightGradientStream:
         self.stream = torch.cuda.Stream(device)
         self.max_pending = max_pending
         self.pending = []   # (event after the GEMM, grad_y, x), oldest first
-        # id(weight) -> the tensor its gradient is written into when it has none yet (GraphedStep's layer buffers
-        # under data parallel); a weight not in it gets a gradient of its own.
+        # id(weight) -> the tensor its gradient is written into when it has none yet (a dict, or anything with
+        # its pop: graphed_step.LayerGradientBuffers under data parallel); a weight not in it gets its own.
         self.gradient_slots = {}
 
     def queue(self, weight: torch.Tensor, grad_y: torch.Tensor, x: torch.Tensor) -> None:

@@ -105,23 +105,13 @@ class GraphedStep(GraphReplayedStep):
             return None
         return self.gradient_sync.row_exchange()
 
-    def _layer_gradient_buffers(self) -> dict:
-        """Under data parallel: the gradients the second stream writes (each layer's projections), per layer as
-        pieces of one flat buffer, so that the layer's all-reduce is one collective (GradientAllReduce sums
-        adjacent gradients as one), as DDP's buckets are: a quarter of the collectives, each moving more.
-        id(weight) -> its piece, for the second stream to write into (WeightGradientStream.gradient_slots). The
-        output head is left out: the loss computes its gradient, which autograd then hands over."""
+    def _layer_gradient_buffers(self) -> "LayerGradientBuffers":
+        """Under data parallel: where the second stream writes each layer's projection gradients (the output head
+        is left out: the loss computes its gradient, which autograd then hands over)."""
         written_on_second_stream = {id(m.weight) for m in self.model.projections if m.weight_grad_stream is not None}
-        slots = {}
-        for k in range(len(self.model.layers)):
-            params = [p for p in self.model.layer_projection_parameters(k)
-                      if id(p) in written_on_second_stream and p.requires_grad and p.grad is None]
-            if not params:
-                continue
-            flat = torch.empty(sum(p.numel() for p in params), device=params[0].device)
-            for param, piece in zip(params, flat.split([p.numel() for p in params])):
-                slots[id(param)] = piece.view_as(param)
-        return slots
+        return LayerGradientBuffers([[p for p in self.model.layer_projection_parameters(k)
+                                      if id(p) in written_on_second_stream and p.requires_grad and p.grad is None]
+                                     for k in range(len(self.model.layers))])
 
     def _start_sums(self, params) -> list:
         started = [p for p in params if p.grad is not None and id(p) not in self.summed_params]
@@ -262,6 +252,32 @@ class GraphedStep(GraphReplayedStep):
             self.static_loss = self._step(self.static_inputs, self.static_targets)
         if hasattr(self.optimizer, "finish_capture"):   # TritonAdamW: the graph's gradient addresses
             self.optimizer.finish_capture()
+
+
+class LayerGradientBuffers:
+    """WeightGradientStream.gradient_slots under data parallel: each layer's projection gradients as pieces of one
+    flat buffer of that layer, so that the layer's all-reduce is one collective (GradientAllReduce sums adjacent
+    gradients as one), as DDP's buckets are: a quarter of the collectives, each moving more.
+
+    A layer's buffer is allocated when the first of its gradients is written, in the backward pass: there it can
+    take memory the activations have freed, as the separate gradients did. Allocated when the step starts, all of
+    the buffers would live beside the forward pass's activations and raise the step's peak (+600 MiB per GPU at
+    the medium preset)."""
+
+    def __init__(self, layers: list[list[torch.nn.Parameter]]):
+        self.layer_of = {id(param): params for params in layers for param in params}
+        self.pieces = {}   # id(weight) -> its piece, once its layer's buffer exists
+
+    def pop(self, weight_id: int, default=None):
+        """The piece for this weight's gradient (its layer's buffer made the first time one of its weights asks),
+        or default for a weight that has none."""
+        params = self.layer_of.get(weight_id)
+        if weight_id not in self.pieces and params is not None:
+            flat = torch.empty(sum(p.numel() for p in params), device=params[0].device)
+            for param, piece in zip(params, flat.split([p.numel() for p in params])):
+                self.pieces[id(param)] = piece.view_as(param)
+                del self.layer_of[id(param)]
+        return self.pieces.pop(weight_id, default)
 
 
 def make_step(model, optimizer, device, train, args, gradient_sync=None):

@@ -121,6 +121,20 @@ class DistributedContext:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return [int(v) for v in tensor.tolist()]
 
+    def weights_identical(self, params) -> bool | None:
+        """Whether every rank holds bit for bit the same weights (None in one process). Data parallelism rests on
+        it: every rank applies the same averaged gradient to the same weights. A sum whose last bits differ from
+        rank to rank (atomic additions in a varying order) would break it slowly and silently, each step's
+        difference feeding the next. Each rank fingerprints each parameter (bit_pattern_sum); one all-reduce
+        compares the fingerprints."""
+        if not self.enabled:
+            return None
+        fingerprints = torch.stack([bit_pattern_sum(param.detach()) for param in params]).to(self.device)
+        both = torch.cat([fingerprints, -fingerprints])   # max of both halves: the largest and the smallest
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        highest, lowest = both[:len(fingerprints)], -both[len(fingerprints):]
+        return bool(torch.equal(highest, lowest))
+
     def check_same(self, value: int, what: str, hint: str = "") -> None:
         """Raise ConfigError on every rank if the ranks disagree on an integer (e.g. the step a resume starts at)."""
         if not self.enabled:
@@ -130,6 +144,14 @@ class DistributedContext:
         highest, lowest = int(both[0]), -int(both[1])
         if highest != lowest:
             raise ConfigError(f"the ranks disagree on {what} ({lowest} .. {highest}){hint}")
+
+
+def bit_pattern_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """A fingerprint of a tensor's exact bits: its bytes read as integers of its element's width (at most 32 bits:
+    a float64 is two int32s) and summed in int64, which cannot overflow below 2^32 of them. Any one changed bit
+    changes it; a float sum would miss a change lost in rounding and would compare -0.0 and 0.0 as equal."""
+    as_integers = {1: torch.int8, 2: torch.int16}.get(tensor.element_size(), torch.int32)
+    return tensor.contiguous().view(as_integers).sum(dtype=torch.int64)
 
 
 def choose_backend(device: torch.device, requested: str) -> str:

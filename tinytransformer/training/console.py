@@ -105,6 +105,11 @@ def print_summary(run, m: dict) -> None:
     mem = m["memory"]["peak_allocated_mib"]
     per_gpu = " per GPU (rank 0)" if ranks > 1 else ""
     run.log(f"peak memory : {mem:.1f} MiB allocated{per_gpu}" if mem is not None else "peak memory : n/a on CPU")
+    identical = m["distributed"].get("weights_identical_across_ranks")
+    if identical is not None:
+        run.log(f"ranks       : the weights are the same bits on all {ranks} ranks" if identical else
+                f"ranks       : WARNING: the weights differ between the {ranks} ranks (each rank should apply the "
+                f"same averaged gradient; a gradient sum that is not the same bits everywhere drifts them apart)")
     if m.get("timing_breakdown"):
         b = m["timing_breakdown"]
         run.log("breakdown   : " + ", ".join(f"{k} {v:.2f} ms" for k, v in b.items()))

@@ -199,6 +199,8 @@ class Trainer:
         self.profiler.close()
         synchronize(self.device)
         metrics = collect_metrics(self, first, steps_done, stopped_by, time.perf_counter() - run_started)
+        # Every rank, at the same point (a collective): are the ranks' weights still the same bits?
+        metrics["distributed"]["weights_identical_across_ranks"] = self.dist.weights_identical(self.model.parameters())
         if train.enable_deepspeed_flops and self.dist.is_main:
             if stopped_by:   # one more forward pass (a minute in Triton's CPU interpreter) is not what was asked
                 self.log("note: DeepSpeed FLOPS profile skipped: the run was stopped")

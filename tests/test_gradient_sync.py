@@ -307,9 +307,11 @@ def test_adjacent_gradients_are_summed_as_one(reduce_dtype, tmp_path):
         in_place = reduce_dtype == "float32"   # in bfloat16 the one collective is over a bfloat16 copy
         assert got["reduced"] == [(20, in_place), (5, False), (8, False)]
         assert got["shares"]   # the gradients are still the buffer's pieces
-        touched = torch.cat([expected[:20], expected[22:30]])   # the gap (20:22) and the tail were not summed
+        touched = torch.cat([expected[:20], expected[22:30]])   # the gap (20:22) and the tail (30:) not summed
         torch.testing.assert_close(torch.cat([got["flat"][:20], got["flat"][22:30]]), touched, rtol=0, atol=0)
-        torch.testing.assert_close(got["flat"][20:22], torch.tensor([21.0, 22.0]) * (rank + 1), rtol=0, atol=0)
+        untouched = torch.cat([torch.arange(20.0, 22.0), torch.arange(30.0, 40.0)]) + 1
+        torch.testing.assert_close(torch.cat([got["flat"][20:22], got["flat"][30:]]), untouched * (rank + 1),
+                                   rtol=0, atol=0)
         torch.testing.assert_close(got["d"], torch.full((5,), 6.0), rtol=0, atol=0)
 
 # ----------------------------------------------------------------------------------------------------------

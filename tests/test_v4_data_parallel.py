@@ -66,7 +66,8 @@ def test_two_gpus_in_the_graph_equal_one_gpu(flags, tmp_path):
     _, single = v4_losses(tmp_path, "single", None, 8, *flags)
     out, two = v4_losses(tmp_path, "two", 2, 4, *flags)
     assert GRAPH_NOTE in out and "over 2 rank(s) (nccl" in out
-    assert "ranks       : the weights are the same bits on all 2 ranks" in out   # rows added in a fixed order
+    # The same bits on both ranks: the all-reduces' sums are, and so are the rows, added in a fixed order.
+    assert "ranks       : the weights are the same bits on all 2 ranks" in out
     by_rows = "table" not in flags   # auto, the default, picks the rows here
     assert ("embed grad  : the table all-reduced" in out) != by_rows
     assert ("embed grad  : summed by gathering every rank's token rows (2 x 64 rows" in out) == by_rows

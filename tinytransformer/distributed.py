@@ -125,11 +125,13 @@ class DistributedContext:
         """Whether every rank holds bit for bit the same weights (None in one process). Data parallelism rests on
         it: every rank applies the same averaged gradient to the same weights. A sum whose last bits differ from
         rank to rank (atomic additions in a varying order) would break it slowly and silently, each step's
-        difference feeding the next. Each rank fingerprints each parameter (bit_pattern_sum); one all-reduce
-        compares the fingerprints."""
+        difference feeding the next. Each rank fingerprints each parameter (bit_pattern_fingerprint); one
+        all-reduce compares the fingerprints."""
         if not self.enabled:
             return None
-        fingerprints = torch.stack([bit_pattern_sum(param.detach()) for param in params]).to(self.device)
+        fingerprints = [bit_pattern_fingerprint(param).to(self.device) for param in params]
+        fingerprints = torch.cat(fingerprints) if fingerprints else torch.zeros(1, dtype=torch.int64,
+                                                                                device=self.device)
         both = torch.cat([fingerprints, -fingerprints])   # max of both halves: the largest and the smallest
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         highest, lowest = both[:len(fingerprints)], -both[len(fingerprints):]
@@ -146,12 +148,23 @@ class DistributedContext:
             raise ConfigError(f"the ranks disagree on {what} ({lowest} .. {highest}){hint}")
 
 
-def bit_pattern_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """A fingerprint of a tensor's exact bits: its bytes read as integers of its element's width (at most 32 bits:
-    a float64 is two int32s) and summed in int64, which cannot overflow below 2^32 of them. Any one changed bit
-    changes it; a float sum would miss a change lost in rounding and would compare -0.0 and 0.0 as equal."""
+def bit_pattern_fingerprint(tensor: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
+    """A fingerprint of a tensor's exact bits, [2] int64: its bytes read as integers of its element's width (at most
+    32 bits: a float64 is two int32s), summed, and summed again each times a weight that depends on its position.
+    The plain sum sees any one changed bit (a float sum would miss a change lost in rounding, and -0.0 = 0.0); the
+    weighted one sees changes that cancel in the plain sum, e.g. +1 and -1 in the last bits of two elements
+    (what sums added in an order that varies make) or two elements swapped. Integer sums wrap around the same way
+    whatever the order of the additions, so equal bits give equal fingerprints on every rank and device. Chunked:
+    the weights of one chunk at a time, not of the whole tensor."""
     as_integers = {1: torch.int8, 2: torch.int16}.get(tensor.element_size(), torch.int32)
-    return tensor.contiguous().view(as_integers).sum(dtype=torch.int64)
+    bits = tensor.detach().reshape(-1).contiguous().view(as_integers)
+    plain = bits.sum(dtype=torch.int64)
+    weighted = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.numel(), chunk):
+        part = bits[start:start + chunk].to(torch.int64)
+        position_weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=bits.device)
+        weighted += (part * (position_weights * 0x9E3779B1 + 1)).sum()   # an odd multiplier spreads the weights
+    return torch.stack([plain, weighted])
 
 
 def choose_backend(device: torch.device, requested: str) -> str:

@@ -24,8 +24,8 @@ without a gradient (the same ones on every rank: the same model, the same step).
 at the start: every rank builds them from the same seed or loads the same checkpoint (DDP would broadcast rank
 0's; here they are equal already).
 
-Summing in bfloat16 (--grad-reduce-dtype bfloat16). Each gradient is cast into a bfloat16 buffer, the buffer is
-all-reduced, and the sum is written back into the float32 gradient: half the bytes on the wire and in NCCL's
+Summing in bfloat16 (--grad-reduce-dtype bfloat16). Each gradient (or run of adjacent ones) is cast into a
+bfloat16 buffer, the buffer is all-reduced, and the sum is written back into the float32 gradients: half the bytes on the wire and in NCCL's
 kernels, which share the GPU with the backward pass they overlap, for one rounding of each sum to bfloat16 and two
 element-wise passes. Under graph capture the buffers come from the graph's memory pool and are reused at every
 replay.

@@ -54,6 +54,8 @@ class GraphedStep(GraphReplayedStep):
     the output head) on the second stream right after their GEMMs, at the same hook, while the layers below
     compute theirs, as DDP's gradient buckets do; once backward() has returned, layer 0's projections on the second
     stream after their GEMMs, then the embedding's and the norms' (the norms' in one buffer) on the main stream.
+    A layer's projection gradients are written into one buffer of that layer (LayerGradientBuffers), so that each
+    layer is summed by one all-reduce, not four.
     The second stream updates layers 1 and 0 (layer 0's once its sums are done, beside the embedding's
     all-reduce), the main stream the embedding and the norms once theirs are, and only then joins the second
     stream: the tail after the backward pass is layer 0's all-reduces, the embedding's (or its rows' exchange,
@@ -157,7 +159,7 @@ class GraphedStep(GraphReplayedStep):
         left after all of the sums."""
         def work():
             # Layer 0's, and those of any layer whose hook never came (the layers below it frozen): every gradient
-            # the second stream writes is summed on it.
+            # the second stream writes (and the output head's) is summed on it.
             self.layer_sums[0] = self._start_sums(self._second_stream_parameters())
             for k in (1, 0):   # layer 1's all-reduces have had layer 0's weight GEMMs to finish
                 if self.updates_early and k in self.layer_groups:
@@ -165,8 +167,8 @@ class GraphedStep(GraphReplayedStep):
         self.model.weight_grad_stream.run_after_queued(work)
 
     def _second_stream_parameters(self) -> list:
-        """The parameters whose gradients the second stream writes (every layer's projections, with the last
-        layer's the output head), layer 0's first."""
+        """The parameters summed on the second stream, layer 0's first: every layer's projections, whose gradients
+        it writes, and with the last layer the output head, whose gradient the loss computed first."""
         return [p for k in range(len(self.model.layers)) for p in self.model.layer_projection_parameters(k)]
 
     def _start_main_stream_sums(self) -> None:
@@ -222,7 +224,8 @@ class GraphedStep(GraphReplayedStep):
         finally:
             self.model.early_update = self.model.layer_gradients_queued = self.model.embedding_row_exchange = None
             if self.sums_by_layer:
-                self.model.weight_grad_stream.gradient_slots = {}   # those not written (frozen weights) go
+                # Pieces never written (a backward pass that stopped before their layer) are let go.
+                self.model.weight_grad_stream.gradient_slots = {}
         with profile_range("optimizer"):
             # The groups the backward pass did not update: the rest, and any layer whose hook never came (a
             # backward pass that stops early, e.g. with the layers below frozen, leaves them to this point).
@@ -273,7 +276,8 @@ class LayerGradientBuffers:
         or default for a weight that has none."""
         params = self.layer_of.get(weight_id)
         if weight_id not in self.pieces and params is not None:
-            flat = torch.empty(sum(p.numel() for p in params), device=params[0].device)
+            # The second stream writes float32 gradients of float32 weights only (WeightGradientStream.queue).
+            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
             for param, piece in zip(params, flat.split([p.numel() for p in params])):
                 self.pieces[id(param)] = piece.view_as(param)
                 del self.layer_of[id(param)]

@@ -82,10 +82,20 @@ def log_step(run, step: int, interval_start: int) -> None:
         run.writer.add_scalar("train/lr", run.current_lr, step + 1)
 
 
+def log_ranks_agree(run, m: dict) -> None:
+    """Under data parallel: whether the ranks ended with the same weights (DistributedContext.weights_identical)."""
+    identical, ranks = m["distributed"].get("weights_identical_across_ranks"), m["distributed"]["world_size"]
+    if identical is not None:
+        run.log(f"ranks       : the weights are the same bits on all {ranks} ranks" if identical else
+                f"ranks       : WARNING: the weights differ between the {ranks} ranks (each rank should apply the "
+                f"same averaged gradient; a gradient sum that is not the same bits everywhere drifts them apart)")
+
+
 def print_summary(run, m: dict) -> None:
     """The end of a run: step time, throughput, MFU, peak memory, loss against the optimum, kernels per step."""
     t, tp, loss = m["timing"], m["throughput"], m["loss"]
     run.log(f"=== Summary ({run.spec.name}: {run.spec.title}) ===")
+    log_ranks_agree(run, m)
     if t["median_ms"] is None:
         run.log("no timed steps")
         return
@@ -105,11 +115,6 @@ def print_summary(run, m: dict) -> None:
     mem = m["memory"]["peak_allocated_mib"]
     per_gpu = " per GPU (rank 0)" if ranks > 1 else ""
     run.log(f"peak memory : {mem:.1f} MiB allocated{per_gpu}" if mem is not None else "peak memory : n/a on CPU")
-    identical = m["distributed"].get("weights_identical_across_ranks")
-    if identical is not None:
-        run.log(f"ranks       : the weights are the same bits on all {ranks} ranks" if identical else
-                f"ranks       : WARNING: the weights differ between the {ranks} ranks (each rank should apply the "
-                f"same averaged gradient; a gradient sum that is not the same bits everywhere drifts them apart)")
     if m.get("timing_breakdown"):
         b = m["timing_breakdown"]
         run.log("breakdown   : " + ", ".join(f"{k} {v:.2f} ms" for k, v in b.items()))

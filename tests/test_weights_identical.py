@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tinytransformer import distributed
+from tinytransformer.config import ConfigError
 
 
 def up(value: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,13 @@ def weights_identical_worker(rank: int, world: int, port: int, out_dir: str) -> 
         if rank == 1:
             with torch.no_grad():
                 params[1][2], params[1][4] = up(params[1][2]), down(params[1][4])
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps([same, context.weights_identical(params)]))
+        differ = context.weights_identical(params)
+        try:   # check_same shares the comparison over the ranks (their lowest and highest values)
+            context.check_same(10 + rank, "the rank's number")
+            disagreement = None
+        except ConfigError as error:
+            disagreement = str(error)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps([same, differ, disagreement]))
     finally:
         dist.destroy_process_group()
 
@@ -83,4 +90,6 @@ def test_weights_identical_compares_every_ranks_bits():
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(weights_identical_worker, args=(2, distributed.free_port(), out_dir), nprocs=2, join=True)
         for rank in range(2):
-            assert json.loads(Path(out_dir, f"rank{rank}.json").read_text()) == [True, False]   # on every rank
+            # On every rank: the same weights, then not; and check_same names the lowest and highest value.
+            assert json.loads(Path(out_dir, f"rank{rank}.json").read_text()) == [
+                True, False, "the ranks disagree on the rank's number (10 .. 11)"]

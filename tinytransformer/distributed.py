@@ -132,18 +132,22 @@ class DistributedContext:
         fingerprints = [bit_pattern_fingerprint(param).to(self.device) for param in params]
         fingerprints = torch.cat(fingerprints) if fingerprints else torch.zeros(1, dtype=torch.int64,
                                                                                 device=self.device)
-        both = torch.cat([fingerprints, -fingerprints])   # max of both halves: the largest and the smallest
+        lowest, highest = self._lowest_and_highest(fingerprints)
+        return bool(torch.equal(lowest, highest))
+
+    def _lowest_and_highest(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each of these int64 values' smallest and largest over the ranks, with one all-reduce: the MAX of the
+        values and of their negatives."""
+        both = torch.cat([values, -values])
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        highest, lowest = both[:len(fingerprints)], -both[len(fingerprints):]
-        return bool(torch.equal(highest, lowest))
+        return -both[len(values):], both[:len(values)]
 
     def check_same(self, value: int, what: str, hint: str = "") -> None:
         """Raise ConfigError on every rank if the ranks disagree on an integer (e.g. the step a resume starts at)."""
         if not self.enabled:
             return
-        both = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        highest, lowest = int(both[0]), -int(both[1])
+        lowest, highest = (int(v) for v in self._lowest_and_highest(
+            torch.tensor([value], dtype=torch.int64, device=self.device)))
         if highest != lowest:
             raise ConfigError(f"the ranks disagree on {what} ({lowest} .. {highest}){hint}")
 

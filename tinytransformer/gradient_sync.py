@@ -25,9 +25,9 @@ at the start: every rank builds them from the same seed or loads the same checkp
 0's; here they are equal already).
 
 Summing in bfloat16 (--grad-reduce-dtype bfloat16). Each gradient (or run of adjacent ones) is cast into a
-bfloat16 buffer, the buffer is all-reduced, and the sum is written back into the float32 gradients: half the bytes on the wire and in NCCL's
-kernels, which share the GPU with the backward pass they overlap, for one rounding of each sum to bfloat16 and two
-element-wise passes. Under graph capture the buffers come from the graph's memory pool and are reused at every
+bfloat16 buffer, the buffer is all-reduced, and the sum is written back into the float32 gradients: half the bytes
+on the wire and in NCCL's kernels, which share the GPU with the backward pass they overlap, for one rounding of
+each sum to bfloat16 and two element-wise passes. Under graph capture the buffers come from the graph's memory pool and are reused at every
 replay.
 
 Works with gloo on the CPU too (the tests use it); there nothing is captured.
@@ -62,9 +62,12 @@ class GradientAllReduce:
         if not context.enabled:
             raise ValueError("GradientAllReduce needs a data-parallel run (a process group)")
         self.context = context
-        self.world_size = context.world_size
         self.loss_scale = 1.0 / context.world_size
         self.reduce_dtype = getattr(torch, context.grad_reduce_dtype)
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
 
     def sum_(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Replace each parameter's gradient by its sum over the ranks, in place, on the current stream."""

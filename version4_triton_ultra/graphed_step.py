@@ -66,8 +66,8 @@ class GraphedStep(GraphReplayedStep):
     The embedding's gradient, the largest (32,000 x 1,024 floats at the medium preset) and the last the backward
     pass computes, can be summed another way, which moves less where ranks x tokens per rank is below the
     vocabulary size (`embedding_grad_sync` "rows", or "auto", the default, for the rule of
-    gradient_sync.rows_cheaper_than_table; "table" all-reduces it): the ranks gather each other's token ids (during the forward pass) and
-    rows of gradient (at the end of the backward pass), and every rank adds all of them, in a fixed order, into
+    gradient_sync.rows_cheaper_than_table; "table" all-reduces it): the ranks gather each other's token ids
+    (during the forward pass) and rows of gradient (at the end of the backward pass), and every rank adds all of them, in a fixed order, into
     its table's gradient, which then comes out of the backward pass summed (EmbeddingRMSNormFunction in
     kernels/add_rmsnorm.py); its update (a TritonAdamW group of its own) starts at once, while layer 0's and the
     norms' all-reduces run: the tail shrinks to the rows' gather, their addition and the update.

@@ -43,6 +43,7 @@ GRAPH_LAUNCH = {"cuda": ("cuda_runtime", "cudaGraphLaunch"), "rocm": ("cuda_runt
     ("_flash_attention_backward_dkdv_kernel", "attention"),
     ("_add_rms_norm_backward_kernel", "rmsnorm"),
     ("_qkv_rope_kernel", "rope"),
+    ("_rotate_qk_kernel", "rope"),
     ("_gate_up_swiglu_kernel", "swiglu"),
     ("_embedding_backward_kernel", "embedding"),
     ("_adamw_kernel", "optimizer"),

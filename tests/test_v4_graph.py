@@ -50,6 +50,42 @@ def test_profile_graphed_step_needs_a_gpu_and_good_flags(flags):
     assert result.stderr.count("\n") == 1 and "error:" in result.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("flags", [[], ["--forms", "as-is", "bogus"], ["--forms", "as-is", "as-is"],
+                                   ["--preset", "huge"], ["--rounds", "0"], ["--use-amp", "--seq-len", "0"]])
+def test_compare_step_forms_needs_a_gpu_and_good_flags(flags):
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo_root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "version4_triton_ultra/compare_step_forms.py", *flags],
+                            cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "error:" in result.stderr, result.stderr
+
+
+def test_compare_step_forms_reports_each_form_against_the_first():
+    from version4_triton_ultra.compare_step_forms import report
+    rows = report({"as-is": [10.0, 12.0, 11.0], "separate-rope": [9.0, 8.0, 10.0]})
+    assert [row["form"] for row in rows] == ["as-is", "separate-rope"]
+    assert rows[0]["median_step_ms"] == 11.0 and rows[0]["relative_to_first"] == 1.0
+    assert rows[1]["median_step_ms"] == 9.0 and rows[1]["relative_to_first"] == pytest.approx(9.0 / 11.0)
+    assert rows[1]["flags"] == ["--separate-rope"] and rows[1]["rounds_ms"] == [9.0, 8.0, 10.0]
+
+
+@pytest.mark.gpu
+def test_compare_step_forms_times_every_form(tmp_path, capsys):
+    import json
+    from version4_triton_ultra import compare_step_forms
+    out = tmp_path / "forms.json"
+    assert compare_step_forms.main(["--forms", "rope-in-gemm", "separate-rope", "--rounds", "2", "--steps", "5",
+                                    "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["form"] for row in rows] == ["rope-in-gemm", "separate-rope"]
+    assert all(len(row["rounds_ms"]) == 2 and min(row["rounds_ms"]) > 0 for row in rows)
+    assert "separate-rope" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flags, want", [
     (dict(preset=None), (256, 4, 8, 128, 128)),                                  # the seed model
     (dict(preset="small"), (512, 6, 16, 256, 256)),                              # the preset's model and sizes
@@ -71,6 +107,7 @@ def test_profile_graphed_step_kernel_families():
     assert kernel_family("_down_swiglu_backward_kernel") == "feed-forward GEMMs + SwiGLU (Triton)"
     assert kernel_family("_separate_swiglu_backward_kernel") == "SwiGLU between vendor GEMMs (Triton)"
     assert kernel_family("_qkv_rope_kernel") == "QKV GEMM + RoPE (Triton)"
+    assert kernel_family("_rotate_qk_kernel") == "RoPE after a vendor GEMM (Triton)"
     assert kernel_family("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NNN") == "GEMMs (vendor BLAS)"
     assert kernel_family("Cijk_Alik_Bljk_BBS_BH_MT128x128x32") == "GEMMs (vendor BLAS)"
     assert kernel_family("void at::native::reduce_kernel<512, 1, ...>") == "norms"
@@ -123,7 +160,7 @@ def test_graph_with_a_frozen_embedding_trains_like_the_eager_step():
 def v4_args(**overrides):
     from types import SimpleNamespace
     args = dict(device="auto", cuda_graph=True, weight_grad_stream=True, rope_in_attention=False, separate_swiglu=False,
-                torch_adamw=False, tf32=True, use_amp=None, deepspeed=None, deepspeed_config=None)
+                separate_rope=False, torch_adamw=False, tf32=True, use_amp=None, deepspeed=None, deepspeed_config=None)
     return SimpleNamespace(**{**args, **overrides})
 
 

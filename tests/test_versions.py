@@ -137,10 +137,12 @@ def test_matches_v1_on_gpu_at_a_long_odd_sequence(version):
 # Version 4's fusions each have a switch back to the form they replace, and every form must be version 1's model:
 # --separate-swiglu (vendor GEMMs and SwiGLU kernels of its own instead of SwiGLU in the GEMMs' epilogues) and
 # --rope-in-attention (RoPE as the attention kernel loads q and k, its first fused form, instead of in the QKV
-# GEMM's epilogue). Each: the model's method, and what it must have set in every layer.
+# GEMM's epilogue), --separate-rope (the vendor QKV GEMM, then RoPE as a kernel of its own). Each: the model's
+# method, and what it must have set in every layer.
 V4_SWITCHES = {
     "separate-swiglu": ("use_separate_swiglu", lambda layer: layer.feed_forward.separate_swiglu),
     "rope-in-attention": ("use_rope_in_attention", lambda layer: not layer.attention.rope_in_qkv_gemm),
+    "separate-rope": ("use_separate_rope", lambda layer: layer.attention.separate_rope),
 }
 
 

@@ -3,7 +3,8 @@ backward (items 2 and 4 of tiny_llama_v4.py's docstring):
 
     RotaryQKVAttention    QKV GEMM with RoPE in its epilogue (kernels/qkv_rope_gemm.py) -> flash attention
                           (kernels/flash_attention.py); backward: attention backward rotating dq, dk back, then
-                          two vendor GEMMs
+                          two vendor GEMMs. With separate_rope: the vendor QKV GEMM, then RoPE a kernel of its own
+                          (kernels/qk_rotation.py); separate_rope_pays says at which sizes that is faster
     SwiGLUFeedForward     gate/up GEMM with SwiGLU in its epilogue -> down GEMM (kernels/swiglu_gemm.py); backward:
                           the down GEMM's input gradient with d(gate_up) in its epilogue, then vendor GEMMs.
                           With separate_swiglu: vendor GEMMs only, and SwiGLU a kernel of its own each way
@@ -16,6 +17,7 @@ import torch
 
 from version4_triton_ultra.backward_overlap import weight_gradient
 from version4_triton_ultra.kernels.flash_attention import packed_attention_backward, packed_attention_forward
+from version4_triton_ultra.kernels.qk_rotation import rotate_qk_
 from version4_triton_ultra.kernels.qkv_rope_gemm import qkv_rope
 from version4_triton_ultra.kernels.swiglu_elementwise import swiglu, swiglu_backward
 from version4_triton_ultra.kernels.swiglu_gemm import down_swiglu_backward, gate_up_swiglu
@@ -39,6 +41,33 @@ def separate_swiglu_pays(rows: int, hidden_dim: int, intermediate_size: int) -> 
     return rows * hidden_dim * intermediate_size >= SEPARATE_SWIGLU_FROM_MULTIPLY_ADDS
 
 
+# The same question for RotaryQKVAttention's two forms: RoPE in the Triton QKV GEMM's epilogue, or the vendor QKV
+# GEMM and RoPE as a kernel of its own (one more pass over q and k). Measured on one H200 (bfloat16 autocast,
+# graph-captured step, both forms built in one process, 3 interleaved rounds: compare_step_forms.py; version 4's
+# README), rows x hidden x 3 hidden:
+#   tiny    1,024 x   256 x   768  (0.2 G multiply-adds)   RoPE in the epilogue 0.409 ms, separate 0.413 ms
+#   small   4,096 x   512 x 1,536  (3.2 G)                                       2.087 ms           2.038 ms
+#   medium  8,192 x 1,024 x 3,072  (25.8 G)                                     22.417 ms          21.949 ms
+#   large   8,192 x 2,048 x 6,144  (103 G)                                      92.992 ms          90.098 ms
+# As for SwiGLU, the vendor GEMM wins from the small preset up by more than the extra pass costs, and the epilogue
+# wins where launches and latency rule. Not measured on AMD (hipBLASLt), nor in float32, nor on an H100.
+SEPARATE_ROPE_FROM_MULTIPLY_ADDS = 2 ** 30
+
+
+def separate_rope_pays(rows: int, hidden_dim: int) -> bool:
+    """True where the vendor QKV GEMM with RoPE as a kernel of its own beats RoPE in our QKV GEMM's epilogue: from
+    about a billion multiply-adds in the QKV GEMM (rows x hidden_dim x 3 hidden_dim)."""
+    return rows * hidden_dim * 3 * hidden_dim >= SEPARATE_ROPE_FROM_MULTIPLY_ADDS
+
+
+def uses_separate_rope(chosen: bool | None, rows: int, hidden_dim: int) -> bool:
+    """The QKV form a layer runs: the one chosen (True: separate, False: in the epilogue; the flags --separate-rope
+    and --rope-in-gemm), or, with None, the faster one at this size."""
+    if chosen is not None:
+        return chosen
+    return separate_rope_pays(rows, hidden_dim)
+
+
 def uses_separate_swiglu(chosen: bool | None, rows: int, hidden_dim: int, intermediate_size: int) -> bool:
     """The feed-forward form a layer runs: the one chosen (True: separate, False: in the epilogues; the flags
     --separate-swiglu and --swiglu-in-gemms), or, with None, the faster one at this size."""
@@ -55,13 +84,21 @@ class RotaryQKVAttention(torch.autograd.Function):
     out and lse; its kernels rotate dq and dk back as they store them, which makes grad_qkv the gradient of the
     GEMM's unrotated output, and the GEMM's backward is two vendor GEMMs: grad_x, and the float32 weight
     gradient (on the weight-gradient stream when there is one). Weight operands as in backward_overlap.ProjectionMatmul.
+
+    separate_rope: the same function with the vendor BLAS's QKV GEMM and RoPE as a kernel of its own after it
+    (kernels/qk_rotation.py: q and k read and written once more); the backward pass is the same.
     """
 
     @staticmethod
-    def forward(ctx, x, qkv_weight, qkv_gemm_weight, cos, sin, num_heads, precise_fp32, weight_grad_stream):
+    def forward(ctx, x, qkv_weight, qkv_gemm_weight, cos, sin, num_heads, precise_fp32, weight_grad_stream,
+                separate_rope=False):
         batch, seq_len, dim = x.shape
         x_rows = x.reshape(-1, dim).to(qkv_gemm_weight.dtype)
-        qkv = qkv_rope(x_rows, qkv_gemm_weight, cos, sin, seq_len, dim // num_heads).view(batch, seq_len, 3 * dim)
+        if separate_rope:   # the vendor GEMM, then q and k rotated in place by a kernel of their own
+            qkv = rotate_qk_(x_rows @ qkv_gemm_weight.T, cos, sin, seq_len, dim // num_heads)
+        else:
+            qkv = qkv_rope(x_rows, qkv_gemm_weight, cos, sin, seq_len, dim // num_heads)
+        qkv = qkv.view(batch, seq_len, 3 * dim)
         out, lse = packed_attention_forward(qkv, num_heads, causal=True, precise_fp32=precise_fp32)
         ctx.save_for_backward(x_rows, qkv_gemm_weight, qkv, out, lse, cos, sin)
         ctx.weight, ctx.weight_grad_stream = qkv_weight, weight_grad_stream
@@ -79,7 +116,7 @@ class RotaryQKVAttention(torch.autograd.Function):
             grad_x = (grad_rows @ qkv_gemm_weight).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_weight = weight_gradient(ctx.weight, grad_rows, x_rows, ctx.weight_grad_stream)
-        return grad_x, grad_weight, None, None, None, None, None, None
+        return grad_x, grad_weight, None, None, None, None, None, None, None
 
 
 class SwiGLUFeedForward(torch.autograd.Function):

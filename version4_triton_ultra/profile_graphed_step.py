@@ -5,7 +5,8 @@
     python profile_graphed_step.py --use-amp --batch-size 32 --seq-len 512 --top 20
     python profile_graphed_step.py --use-amp --preset small         (a size preset's model, batch and sequence)
     python profile_graphed_step.py --no-weight-grad-stream          (weight gradients on the main stream)
-    python profile_graphed_step.py --rope-in-attention              (RoPE on load instead of in the QKV GEMM)
+    python profile_graphed_step.py --rope-in-attention              (RoPE as attention loads q and k)
+    python profile_graphed_step.py --rope-in-gemm                   (RoPE in the QKV GEMM at every size)
     python profile_graphed_step.py --use-amp --torch-adamw          (torch's fused AdamW + a separate weight copy)
 
 The training script (tiny_llama_v4.py) times the whole loop: the graph replay plus the copy of each batch into
@@ -48,6 +49,7 @@ KERNEL_FAMILIES = (
     ("SwiGLU between vendor GEMMs (Triton)", r"separate_swiglu"),   # the feed-forward's form from ~1 G multiply-adds
     ("feed-forward GEMMs + SwiGLU (Triton)", r"swiglu"),
     ("QKV GEMM + RoPE (Triton)", r"qkv_rope"),
+    ("RoPE after a vendor GEMM (Triton)", r"rotate_qk"),   # --separate-rope
     ("GEMMs (vendor BLAS)", r"gemm|nvjet|cutlass|Cijk_|splitKreduce|cublas"),
     ("norms", r"rms_norm|native::reduce_kernel"),   # reduce_kernel: norm weight-gradient sums, in older versions
     ("loss", r"cross_entropy|mean_loss|_scale_pair_kernel"),
@@ -83,8 +85,15 @@ def parse_args(argv):
     parser.add_argument("--use-amp", action="store_true", help="bfloat16 autocast (default: float32 with TF32)")
     parser.add_argument("--no-weight-grad-stream", dest="weight_grad_stream", action="store_false",
                         help="weight-gradient GEMMs on the main stream (default: on a second stream)")
-    parser.add_argument("--rope-in-attention", action="store_true",
-                        help="RoPE as the attention kernel loads q and k (default: in the QKV GEMM's epilogue)")
+    rope = parser.add_mutually_exclusive_group()
+    rope.add_argument("--rope-in-attention", action="store_true",
+                      help="RoPE as the attention kernel loads q and k, after a vendor QKV GEMM")
+    rope.add_argument("--separate-rope", dest="separate_rope", action="store_const", const=True, default=None,
+                      help="the vendor QKV GEMM, then RoPE as a kernel of its own (default: the faster form at the "
+                           "size, this from the small preset up)")
+    rope.add_argument("--rope-in-gemm", dest="separate_rope", action="store_const", const=False,
+                      help="RoPE in the Triton QKV GEMM's epilogue (default: the faster form at the size, this "
+                           "below the small preset)")
     parser.add_argument("--torch-adamw", action="store_true",
                         help="torch.optim.AdamW(fused=True) and a separate bfloat16 weight copy (default: version "
                              "4's Triton AdamW, which writes the copies)")
@@ -122,7 +131,8 @@ def shape_problem(args) -> str | None:
     from version4_triton_ultra import tiny_llama_v4 as v4
     gemm_dtype = torch.bfloat16 if args.use_amp else torch.float32
     return v4.shape_problem(model_config(args), args.batch_size, args.seq_len, gemm_dtype,
-                            rope_in_qkv_gemm=not args.rope_in_attention)
+                            rope_form="attention" if args.rope_in_attention else (
+                                None if args.separate_rope is None else "separate" if args.separate_rope else "gemm"))
 
 
 def build_step(args):
@@ -137,6 +147,7 @@ def build_step(args):
     model.capturable_optimizer = True
     model.use_triton_adamw = not args.torch_adamw
     model.use_rope_in_attention(args.rope_in_attention)
+    model.use_separate_rope(args.separate_rope)
     model.cuda()
     step = graphed_step.GraphedStep(model, model.configure_optimizer(train), torch.device("cuda"), train,
                                     weight_gradient_stream=args.weight_grad_stream)

@@ -8,7 +8,10 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      disappears (RotaryQKVAttention in fused_layers.py). --rope-in-attention instead rotates q and k as the
      flash-attention kernel loads them (kernels/flash_attention.py, version 4's copy of version 3's), the way
      version 4 first did it: slower, because every key block is rotated once per query block that reads it
-     (the README measures both).
+     (the README measures both). From about a billion multiply-adds in the QKV GEMM (the small preset and up) the
+     form the epilogue replaces is faster: the vendor QKV GEMM, then RoPE as a kernel of its own
+     (kernels/qk_rotation.py), one more pass over q and k; the layer uses it there (fused_layers.separate_rope_pays,
+     measured); --rope-in-gemm and --separate-rope choose one form at every size, to compare.
   3. Attention reads q, k, v straight from the fused QKV output and writes its output in the layout the output
      projection reads: no copies (version 3 transposes q, k, v and the output, and again in the backward pass).
   4. SwiGLU inside the feed-forward GEMMs (kernels/swiglu_gemm.py): the gate/up GEMM computes h = silu(gate) * up
@@ -77,9 +80,11 @@ from version4_triton_ultra import graphed_step  # noqa: E402
 from version4_triton_ultra.backward_overlap import (  # noqa: E402
     CallDuringBackward, ProjectionMatmul, WeightGradientStream)
 from version4_triton_ultra.fused_layers import (  # noqa: E402
-    RotaryQKVAttention, SwiGLUFeedForward, separate_swiglu_pays, uses_separate_swiglu)
+    RotaryQKVAttention, SwiGLUFeedForward, separate_rope_pays, separate_swiglu_pays, uses_separate_rope,
+    uses_separate_swiglu)
 from version4_triton_ultra.kernels import add_rmsnorm as norm_kernels  # noqa: E402
 from version4_triton_ultra.kernels import flash_attention as attention_kernels  # noqa: E402
+from version4_triton_ultra.kernels import qk_rotation as rotation_kernels  # noqa: E402
 from version4_triton_ultra.kernels import qkv_rope_gemm as qkv_kernels  # noqa: E402
 from version4_triton_ultra.kernels import swiglu_gemm as ffn_kernels  # noqa: E402
 from version4_triton_ultra.kernels.adamw import TritonAdamW  # noqa: E402
@@ -125,7 +130,10 @@ class Attention(nn.Module):
     """Fused QKV GEMM with RoPE in its epilogue -> flash attention, on the GEMMs' [B, S, *] layout -> output GEMM.
 
     With rope_in_qkv_gemm False (--rope-in-attention), the way version 4 first fused RoPE: a vendor QKV GEMM, and
-    the attention kernel rotates q and k as it loads them. Both compute the same function.
+    the attention kernel rotates q and k as it loads them. separate_rope: the vendor QKV GEMM, then a RoPE kernel of
+    its own, the form the epilogue replaces, faster from about a billion multiply-adds in the QKV GEMM
+    (separate_rope_pays): None (the default) chooses by the batch's size, True (--separate-rope) or False
+    (--rope-in-gemm) one form at every size. All compute the same function.
     """
 
     exact_float32 = False   # True: float32 dot products in IEEE float32 instead of TF32 (tests, debugging)
@@ -137,15 +145,18 @@ class Attention(nn.Module):
         self.qkv_proj = Projection(d, 3 * d)   # rows: [q; k; v]
         self.o_proj = Projection(d, d)
         self.rope_in_qkv_gemm = True
+        self.separate_rope = None   # with rope_in_qkv_gemm: None by size, True the vendor GEMM + a RoPE kernel
 
     def forward(self, x, cos, sin):
         with profile_range("attention"):
             # qkv is [B, S, 3D]: per token the q heads, then the k heads, then the v heads. The kernels read each
             # head in place (row stride 3D) instead of transposing q, k, v into [B, H, S, Dh] first.
-            if self.rope_in_qkv_gemm:   # qkv_proj's weight (and 16-bit copy, stream) in a GEMM of our own
+            if self.rope_in_qkv_gemm:   # qkv_proj's weight (and 16-bit copy, stream) in RotaryQKVAttention
+                dim = x.shape[-1]
+                separate = uses_separate_rope(self.separate_rope, x.numel() // dim, dim)
                 out = RotaryQKVAttention.apply(x, self.qkv_proj.weight, self.qkv_proj.gemm_weight(x.device.type),
                                                cos, sin, self.num_heads, self.exact_float32,
-                                               self.qkv_proj.weight_grad_stream)
+                                               self.qkv_proj.weight_grad_stream, separate)
             else:
                 out = flash_attention_packed(self.qkv_proj(x), self.num_heads, causal=True, rope=(cos, sin),
                                              precise_fp32=self.exact_float32)
@@ -381,6 +392,12 @@ class TinyLlama(nn.Module):
         for layer in self.layers:
             layer.attention.rope_in_qkv_gemm = not enabled
 
+    def use_separate_rope(self, enabled: bool | None = True):
+        """RoPE as a kernel of its own after the vendor QKV GEMM (True), in the Triton QKV GEMM's epilogue (False),
+        or whichever is faster at the batch's size (None, the default)."""
+        for layer in self.layers:
+            layer.attention.separate_rope = enabled
+
     def use_separate_swiglu(self, enabled: bool | None = True):
         """SwiGLU as a kernel of its own between vendor GEMMs (True), in the Triton GEMMs' epilogues (False), or
         whichever is faster at the batch's size (None, the default)."""
@@ -420,9 +437,18 @@ def add_arguments(group):
     group.add_argument("--no-weight-grad-stream", dest="weight_grad_stream", action="store_false", default=True,
                        help="in the graph-captured step, compute the weight gradients on the main stream instead "
                             "of a second one (to measure what the overlap saves)")
-    group.add_argument("--rope-in-attention", action="store_true",
-                       help="rotate q and k by RoPE as the attention kernel loads them, after a vendor QKV GEMM, "
-                            "instead of in the QKV GEMM's epilogue (version 4's first fusion of RoPE; to compare)")
+    rope = group.add_mutually_exclusive_group()
+    rope.add_argument("--rope-in-attention", action="store_true",
+                      help="rotate q and k by RoPE as the attention kernel loads them, after a vendor QKV GEMM, "
+                           "instead of in the QKV GEMM's epilogue (version 4's first fusion of RoPE; to compare)")
+    # Default (none of the three): the form that is faster at the run's size, from about a billion multiply-adds
+    # in the QKV GEMM the vendor's (fused_layers.separate_rope_pays).
+    rope.add_argument("--separate-rope", dest="separate_rope", action="store_const", const=True, default=None,
+                      help="at every size, compute the QKV GEMM with the vendor BLAS and RoPE as a kernel of its "
+                           "own (default: chosen by size, this from the small preset up)")
+    rope.add_argument("--rope-in-gemm", dest="separate_rope", action="store_const", const=False,
+                      help="at every size, rotate q and k in the epilogue of a Triton QKV GEMM (default: chosen by "
+                           "size, this below the small preset)")
     # Default (neither flag): the form that is faster at the run's size, from about a billion multiply-adds per
     # feed-forward GEMM the vendor's (fused_layers.separate_swiglu_pays).
     swiglu = group.add_mutually_exclusive_group()
@@ -444,23 +470,28 @@ def add_arguments(group):
 
 
 def shape_problem(config: ModelConfig, batch_size: int, seq_len: int, gemm_dtype: torch.dtype = torch.float32,
-                  rope_in_qkv_gemm: bool = True, swiglu_in_gemms: bool | None = None) -> str | None:
+                  rope_form: str | None = None, swiglu_in_gemms: bool | None = None) -> str | None:
     """Why version 4's kernels cannot train this model on batches of batch_size x seq_len tokens whose GEMMs
     compute in gemm_dtype (one line that names the sizes to change), or None when they can. Each rule is asked
     of the kernel module that enforces it: flash attention (head dims, 32-bit offsets, grid), the fused norms
-    (row width), the QKV + RoPE GEMM (head dims, weight size, column tiles of whole heads, row blocks; only when
-    it runs, i.e. unless --rope-in-attention) and the feed-forward GEMMs (weight size, row blocks; unless
+    (row width), the QKV + RoPE GEMM (head dims, weight size, column tiles of whole heads, row blocks) or the
+    separate RoPE kernel (row blocks), whichever runs (rope_form "gemm", "separate" or "attention", the last
+    --rope-in-attention; None: as the size rule picks), and the feed-forward GEMMs (weight size, row blocks; unless
     --separate-swiglu; swiglu_in_gemms None: where the size rule keeps them), so that a bad size is reported before
     anything is built instead of as a traceback from inside a kernel launch."""
     rows, dim, head_dim = batch_size * seq_len, config.hidden_dim, config.head_dim
+    if rope_form is None:
+        rope_form = "separate" if separate_rope_pays(rows, dim) else "gemm"
     if swiglu_in_gemms is None:
         swiglu_in_gemms = not separate_swiglu_pays(rows, dim, config.intermediate_size)
     sizes = f"batch {batch_size} x seq_len {seq_len} = {rows} rows, hidden_dim {dim}"
     checks = [
         ("flash attention", attention_kernels.shape_problem(batch_size * config.num_heads, seq_len, head_dim, 3 * dim),
          f"batch {batch_size} x {config.num_heads} heads, seq_len {seq_len}, hidden_dim {dim}"),
-        ("QKV + RoPE GEMM", qkv_kernels.shape_problem(rows, dim, dim, head_dim, gemm_dtype) if rope_in_qkv_gemm
+        ("QKV + RoPE GEMM", qkv_kernels.shape_problem(rows, dim, dim, head_dim, gemm_dtype) if rope_form == "gemm"
          else None, sizes),
+        ("RoPE kernel", rotation_kernels.shape_problem(rows, dim, head_dim) if rope_form == "separate" else None,
+         sizes),
         ("add + RMSNorm", norm_kernels.shape_problem(dim), "--hidden-dim"),
         ("SwiGLU GEMMs", ffn_kernels.shape_problem(rows, dim, config.intermediate_size, gemm_dtype)
          if swiglu_in_gemms else None, f"{sizes}, intermediate_size {config.intermediate_size}"),
@@ -479,8 +510,22 @@ def shape_problem_of_args(args) -> str | None:
     config, train = resolve_configs(args)
     gemm_dtype = getattr(torch, train.amp_dtype) if train.use_amp else torch.float32
     return shape_problem(config, train.batch_size, train.seq_len, gemm_dtype,
-                         rope_in_qkv_gemm=not getattr(args, "rope_in_attention", False),
+                         rope_form=rope_form_of_args(args, config, train),
                          swiglu_in_gemms=not separate_swiglu_of_args(args, config, train))
+
+
+def rope_form_of_args(args, config: ModelConfig, train) -> str:
+    """Where this run rotates q and k: "attention" (--rope-in-attention), "separate" or "gemm"."""
+    if getattr(args, "rope_in_attention", False):
+        return "attention"
+    return "separate" if separate_rope_of_args(args, config, train) else "gemm"
+
+
+def separate_rope_of_args(args, config: ModelConfig, train) -> bool:
+    """Whether this run's attention layers use the vendor QKV GEMM and a RoPE kernel of its own: as a flag says,
+    or else as the run's size decides (the layers decide the same way from the batch they get)."""
+    return uses_separate_rope(getattr(args, "separate_rope", None), train.batch_size * train.seq_len,
+                              config.hidden_dim)
 
 
 def separate_swiglu_of_args(args, config: ModelConfig, train) -> bool:
@@ -518,8 +563,19 @@ def build_model(config, args):
     model.capturable_optimizer = bool(args.cuda_graph)
     model.use_triton_adamw = not args.torch_adamw
     model.use_rope_in_attention(args.rope_in_attention)
+    model.use_separate_rope(args.separate_rope)
     model.use_separate_swiglu(args.separate_swiglu)
     return model
+
+
+def describe_rope(args) -> str:
+    """Where this run rotates q and k (the header's RoPE line)."""
+    if args.rope_in_attention:
+        return "in the attention kernel, on load"
+    chosen_by_size = getattr(args, "separate_rope", None) is None
+    separate = separate_rope_of_args(args, *resolve_configs(args)) if chosen_by_size else args.separate_rope
+    rope = "a kernel of its own, after a vendor QKV GEMM" if separate else "in the QKV GEMM's epilogue"
+    return rope + (" (the faster form at this size)" if chosen_by_size else "")
 
 
 def describe(args) -> dict:
@@ -529,7 +585,7 @@ def describe(args) -> dict:
         step += ", weight gradients on " + ("a second stream" if args.weight_grad_stream else "the main stream")
     if interpreter_active():
         step += " (in Triton's CPU interpreter: correct but slow)"
-    rope = "in the attention kernel, on load" if args.rope_in_attention else "in the QKV GEMM's epilogue"
+    rope = describe_rope(args)
     chosen_by_size = getattr(args, "separate_swiglu", None) is None
     # Only a size decides needs the run's configuration (a caller may describe flags without one).
     separate = separate_swiglu_of_args(args, *resolve_configs(args)) if chosen_by_size else args.separate_swiglu

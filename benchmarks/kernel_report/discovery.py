@@ -134,10 +134,10 @@ def model_paths(run_stage, v4, embedding_backward):
             _train_step(run_stage.build_model(config, argparse.Namespace(stage=stage)), None, train)
         return step   # version 3's optimizer is torch's AdamW: no Triton kernel
 
-    def v4_model(rope_in_attention=False, separate_swiglu=None):   # None: the feed-forward's form by size
+    def v4_model(rope_in_attention=False, separate_rope=None, separate_swiglu=None):   # None: the form by size
         def step(config, train):
             args = argparse.Namespace(cuda_graph=False, torch_adamw=False, rope_in_attention=rope_in_attention,
-                                      separate_swiglu=separate_swiglu)
+                                      separate_rope=separate_rope, separate_swiglu=separate_swiglu)
             model = v4.build_model(config, args)
             _train_step(model, model.configure_optimizer(train), train)
         return step
@@ -159,6 +159,7 @@ def model_paths(run_stage, v4, embedding_backward):
 
     return [("v3", v3_stage(5)), ("v3 --stage 2", v3_stage(2)), ("v3 --stage 4", v3_stage(4)),
             ("v4", v4_model()), ("v4 --rope-in-attention", v4_model(rope_in_attention=True)),
+            ("v4 --separate-rope", v4_model(separate_rope=True)), ("v4 --rope-in-gemm", v4_model(separate_rope=False)),
             ("v4 --separate-swiglu", v4_model(separate_swiglu=True)),
             ("v4 --swiglu-in-gemms", v4_model(separate_swiglu=False)),
             ("v4 embedding_backward()", v4_embedding_backward),

@@ -3,7 +3,7 @@ backward (items 2 and 4 of tiny_llama_v4.py's docstring):
 
     RotaryQKVAttention    QKV GEMM with RoPE in its epilogue (kernels/qkv_rope_gemm.py) -> flash attention
                           (kernels/flash_attention.py); backward: attention backward rotating dq, dk back, then
-                          two vendor GEMMs. With separate_rope: the vendor QKV GEMM, then RoPE a kernel of its own
+                          two vendor GEMMs. With separate_rope: the vendor QKV GEMM, then RoPE as a kernel of its own
                           (kernels/qk_rotation.py); separate_rope_pays says at which sizes that is faster
     SwiGLUFeedForward     gate/up GEMM with SwiGLU in its epilogue -> down GEMM (kernels/swiglu_gemm.py); backward:
                           the down GEMM's input gradient with d(gate_up) in its epilogue, then vendor GEMMs.

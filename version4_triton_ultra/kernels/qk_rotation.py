@@ -4,10 +4,10 @@
                                          the vendor QKV GEMM's output): every q and k head rotated,
                                          rot(t) = t * cos + rotate_half(t) * sin; v is not touched.
 
-Version 4 runs it under --separate-rope: the QKV product then comes from the vendor BLAS (cuBLAS, hipBLASLt), and
-RoPE costs one more pass over q and k (read and written once). Whether the epilogue wins depends on the shape (at
-large sizes the vendor GEMM may be faster than the Triton one by more than that pass costs), so the switch is
-there to measure it. The backward pass needs nothing from this file in either form: the attention backward
+Version 4 runs it from about a billion multiply-adds in the QKV GEMM (fused_layers.separate_rope_pays) and under
+--separate-rope: the QKV product then comes from the vendor BLAS (cuBLAS, hipBLASLt), and RoPE costs one more
+pass over q and k. Whether the epilogue wins depends on the shape (at large sizes the vendor GEMM is faster than
+the Triton one by more than that pass costs); --rope-in-gemm and --separate-rope are there to measure it. The backward pass needs nothing from this file in either form: the attention backward
 returns dq and dk rotated back, the gradients of the unrotated product. The arithmetic is the epilogue's:
 float32 on the stored (rounded) product, the result rounded once to qkv's dtype.
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import sys
 import tempfile
@@ -61,20 +60,6 @@ SWEEP_SEQ_LENS = (128, 256, 512, 1024)
 CPU_MODEL_FLAGS = ["--hidden-dim", "64", "--num-heads", "2", "--num-layers", "2", "--intermediate-size", "128",
                    "--vocab-size", "256"]
 CPU_BATCH, CPU_SEQ_LEN = 2, 32
-
-
-def environment() -> dict:
-    import torch
-    info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-        info["backend"] = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
-    return info
 
 
 def save(results: dict, path: str | None, note: str | None) -> None:
@@ -222,7 +207,8 @@ def main(argv=None) -> int:
         print(args.machine_note, flush=True)
     command = shlex.join(["python", "benchmarks/compare_versions.py", *(sys.argv[1:] if argv is None else argv)])
     runs, commands = earlier_rows(args, fail) if args.resume else ([], [])
-    results = {"command": commands[0] if commands else command, "environment": environment(),
+    from tinytransformer.device import software_and_gpu   # imports torch: only once the flags are checked
+    results = {"command": commands[0] if commands else command, "environment": software_and_gpu(),
                "preset": args.preset, "dtype": args.dtype, "num_steps": args.num_steps,
                "warmup_steps": args.warmup_steps,
                "repeats": args.repeats, "rows": rows_of(runs, args.repeats)}

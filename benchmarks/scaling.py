@@ -164,12 +164,10 @@ def plot(rows: list[dict], path: Path) -> str:
 
 def environment(device: str) -> dict:
     import torch
-    info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-            "host": platform.node(), "device": device}
-    if device != "cpu" and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
+    from tinytransformer.device import software_and_gpu
+    info = {**software_and_gpu(on_gpu=device != "cpu"), "host": platform.node(), "device": device}
+    if "gpu" in info:
         info["gpus_visible"] = torch.cuda.device_count()
-        info["backend"] = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
         from tinytransformer.distributed import nccl_high_priority   # imports torch's distributed package
         info["nccl_high_priority_stream"] = nccl_high_priority()   # distributed.nccl_options (absent: before it)
     for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "NCCL_IB_DISABLE",

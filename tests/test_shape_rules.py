@@ -71,9 +71,6 @@ SHAPES = {
     "rows beyond the GEMMs' row blocks": (["--hidden-dim", "64", "--num-heads", "1", "--batch-size", "65535",
                                            "--seq-len", "129", "--max-seq-len", "129", "--rope-in-gemm"],
                                           "row blocks", ("v4",)),
-    "rows beyond the RoPE kernel's row blocks": (["--hidden-dim", "64", "--num-heads", "1", "--batch-size", "65535",
-                                                  "--seq-len", "257", "--max-seq-len", "257"], "row blocks",
-                                                 ("v4",)),
 }
 
 

@@ -52,7 +52,8 @@ def test_profile_graphed_step_needs_a_gpu_and_good_flags(flags):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 @pytest.mark.parametrize("flags", [[], ["--forms", "as-is", "bogus"], ["--forms", "as-is", "as-is"],
-                                   ["--preset", "huge"], ["--rounds", "0"], ["--use-amp", "--seq-len", "0"]])
+                                   ["--preset", "huge"], ["--rounds", "0"], ["--use-amp", "--seq-len", "0"],
+                                   ["--top", "5"], ["--forms", "separate-swiglu", "--swiglu-in-gemms"]])
 def test_compare_step_forms_needs_a_gpu_and_good_flags(flags):
     import subprocess
     import sys
@@ -61,7 +62,40 @@ def test_compare_step_forms_needs_a_gpu_and_good_flags(flags):
     result = subprocess.run([sys.executable, "version4_triton_ultra/compare_step_forms.py", *flags],
                             cwd=repo_root, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and "error:" in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("compare_step_forms.py: error:"), result.stderr
+
+
+def fake_steps(monkeypatch, build=None):
+    """compare_step_forms's GPU calls replaced: each built step is its form's name; the timings are recorded."""
+    from version4_triton_ultra import profile_graphed_step
+    timed = []
+    monkeypatch.setattr(profile_graphed_step, "build_step", build or (lambda args: (args.form, None, None)))
+    monkeypatch.setattr(profile_graphed_step, "median_step_ms",
+                        lambda step, inputs, targets, steps: timed.append(step) or 1.0)
+    return timed
+
+
+def test_compare_step_forms_starts_each_round_with_the_next_form(monkeypatch):
+    from types import SimpleNamespace
+    from version4_triton_ultra.compare_step_forms import time_forms
+    timed = fake_steps(monkeypatch)
+    forms = {name: SimpleNamespace(form=name) for name in ("a", "b", "c")}
+    times = time_forms(forms, rounds=4, steps=5)
+    assert timed[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]   # after 3 warm-ups
+    assert all(len(rounds) == 4 for rounds in times.values())
+
+
+def test_compare_step_forms_out_of_memory_is_one_line(monkeypatch):
+    from types import SimpleNamespace
+    from tinytransformer.config import ConfigError
+    from version4_triton_ultra.compare_step_forms import time_forms
+
+    def build(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    fake_steps(monkeypatch, build)
+    with pytest.raises(ConfigError, match="does not hold 2 forms") as error:
+        time_forms({"a": SimpleNamespace(), "b": SimpleNamespace()}, rounds=1, steps=5)
+    assert "\n" not in str(error.value)
 
 
 def test_compare_step_forms_reports_each_form_against_the_first():

@@ -88,22 +88,32 @@ def test_rotation_rejects_bad_inputs(device):
         qk.rotate_qk_(qkv.double(), cos, sin, 8, 16)
 
 
+def test_rotation_shape_rule(monkeypatch):
+    """The GPU's launch, checked on any machine: the row blocks run on the grid's first axis, so 16.8M rows (more
+    than 65,535 row blocks of any tile here) are allowed; heads beyond the second axis and odd head dims are not."""
+    monkeypatch.setattr(qk, "interpreter_active", lambda: False)
+    assert qk.shape_problem(65535 * 257, 64, 64) is None
+    assert "fewer heads" in qk.shape_problem(8, 64 * 2**20, 32)
+    assert qk.shape_problem(8, 96, 24).startswith("head dim 24 not supported")
+
+
 def test_rotation_of_no_rows_is_a_no_op(device):
     cos, sin = tables(4, 16, device)
     empty = torch.ones(0, 96, device=device)
     assert qk.rotate_qk_(empty, cos, sin, 4, 16).shape == (0, 96)
 
 
-def test_gpu_blocks_hold_whole_heads_and_about_8k_elements(monkeypatch):
-    """The GPU's launch, checked on any machine: a power of two of heads, no more than there are to rotate, and
-    about 8,192 elements a program at every supported head dim."""
+def test_gpu_blocks_hold_whole_heads_and_2k_elements(monkeypatch):
+    """The GPU's launch, checked on any machine: a power of two of heads, no more than there are to rotate (as a
+    power of two) nor 1,024 columns, and 2,048 elements a program where a row's heads hold fewer."""
     monkeypatch.setattr(qk, "interpreter_active", lambda: False)
     for head_dim in qk.SUPPORTED_HEAD_DIMS:
         for rotated_heads in (1, 3, 32, 64):
             config = qk._launch_config(8192, rotated_heads, head_dim)
-            heads = config["HEADS"]
+            heads, elements = config["HEADS"], config["BLOCK_M"] * config["HEADS"] * head_dim
             assert heads & (heads - 1) == 0 and heads <= max(1, 2 * rotated_heads - 1)
-            assert config["BLOCK_M"] * heads * head_dim <= 8192
+            assert heads * head_dim <= 1024 and elements == max(2048, heads * head_dim)
+    assert qk._launch_config(8192, 32, 64) == dict(BLOCK_M=2, HEADS=16, num_warps=8)   # medium, as tuned
 
 
 @pytest.mark.gpu
@@ -190,3 +200,48 @@ def test_the_header_names_the_qkv_form_of_the_run(preset, form):
     assert v4.describe_rope(args).startswith(form)
     args, _ = build_parser(v4.SPEC).parse_known_args(["--preset", preset, "--rope-in-gemm"])
     assert v4.describe_rope(args) == "in the QKV GEMM's epilogue"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tune_qk_rotation.py: its candidates give the rule's output bit for bit, and bad flags are one line
+# ----------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def rotation_tuner():
+    """tune_qk_rotation, imported before a test switches the interpreter off (its import checks for a GPU)."""
+    from version4_triton_ultra import tune_qk_rotation
+    return tune_qk_rotation
+
+
+@pytest.mark.parametrize("launch", [(1, 1, 1), (4, 2, 1), (8, 8, 2)], ids=["1 x 1", "4 x 2", "8 x 8, past the heads"])
+def test_every_launch_of_the_rotation_gives_the_rules_output(launch, rotation_tuner, device):
+    """Other tiles (a partial last row block, more heads a program than there are) change nothing, bit for bit:
+    what the tuner's check relies on."""
+    cos, sin = tables(8, 16, device)
+    qkv = torch.randn(3 * 8, 3 * 48, device=device)
+    want = qk.rotate_qk_(qkv.clone(), cos, sin, 8, 16)
+    got = qk.rotate_qk_(qkv.clone(), cos, sin, 8, 16, launch=rotation_tuner.launch_of(launch))
+    assert torch.equal(got, want)
+
+
+def test_the_rotation_tuners_candidates_fit_the_shape(rotation_tuner):
+    for rotated_heads, head_dim in ((32, 64), (32, 128), (16, 32)):
+        candidates = rotation_tuner.default_candidates(rotated_heads, head_dim)
+        assert candidates and len(set(candidates)) == len(candidates)
+        for rows, heads, warps in candidates:
+            assert heads <= rotated_heads and 1024 <= rows * heads * head_dim <= 8192 and warps in (2, 4, 8)
+    assert rotation_tuner.candidate("16,4,8") == (16, 4, 8)
+    with pytest.raises(ValueError, match="power of two"):
+        rotation_tuner.candidate("16,3,8")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("flags", [[], ["--candidates", "4,4"], ["--candidates", "4,3,2"], ["--preset", "huge"],
+                                   ["--preset", "tiny", "--candidates", "1,64,4"], ["--dtype", "float64"]])
+def test_the_rotation_tuner_needs_a_gpu_and_good_flags(flags):
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "version4_triton_ultra" / "tune_qk_rotation.py"
+    result = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("tune_qk_rotation.py: error:"), result.stderr

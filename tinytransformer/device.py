@@ -90,6 +90,21 @@ def describe(device: torch.device) -> DeviceInfo:
     return DeviceInfo("cpu", "cpu", name, "CPU", torch.__version__, 1)
 
 
+def software_and_gpu(on_gpu: bool = True) -> dict:
+    """What a benchmark's JSON records about the machine it ran on: Python, torch, Triton (None when absent) and
+    the platform; with on_gpu and a GPU present, the GPU's name and the backend (CUDA or ROCm and its version)."""
+    info = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if on_gpu and gpu_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["backend"] = f"ROCm {torch.version.hip}" if is_rocm() else f"CUDA {torch.version.cuda}"
+    return info
+
+
 def peak_tflops(device_name: str, dtype: str, tf32: bool = False) -> float | None:
     """The data-sheet peak for this device and precision, or None when we do not know the device."""
     key = "tf32" if (dtype == "float32" and tf32) else dtype

@@ -9,8 +9,8 @@ clock or a neighbour that slows one round slows every form in it. Starting one t
 alternating them works too (the README's SwiGLU table), but each run pays a minute of start-up at the large
 preset; here every form is built once (profile_graphed_step.build_step: the model, its optimizer and its
 GraphedStep, as the training script builds them), warmed up and captured, and then each round times every form
-in turn: the median of --steps replays each, timed with device events. The table gives each form's median over
-the rounds, every round, and its time relative to the first form.
+in turn, each round starting with the next form: the median of --steps replays each, timed with device events.
+The table gives each form's median over the rounds, every round, and its time relative to the first form.
 
 Every form keeps its model, optimizer state and graph on the GPU while the others run (about 23 GB each at the
 large preset in bfloat16). The forms use one fixed batch; their losses are not compared here (the equivalence
@@ -23,6 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser, command_line, positive_int, run_command  # noqa: E402
+from tinytransformer.config import ConfigError  # noqa: E402
+from tinytransformer.device import software_and_gpu  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
 from tinytransformer.paths import prove_output_file  # noqa: E402
 
@@ -32,6 +34,8 @@ FORMS = {
     "rope-in-gemm": ["--rope-in-gemm"],                   # RoPE in the Triton QKV GEMM's epilogue
     "separate-rope": ["--separate-rope"],                 # the vendor QKV GEMM, then a RoPE kernel of its own
     "rope-in-attention": ["--rope-in-attention"],         # RoPE as the attention kernel loads q and k
+    "swiglu-in-gemms": ["--swiglu-in-gemms"],             # SwiGLU in the Triton feed-forward GEMMs' epilogues
+    "separate-swiglu": ["--separate-swiglu"],             # vendor feed-forward GEMMs, SwiGLU as kernels of its own
     "torch-adamw": ["--torch-adamw"],                     # torch's fused AdamW + a separate bfloat16 weight copy
     "no-weight-grad-stream": ["--no-weight-grad-stream"],   # the weight-gradient GEMMs on the main stream
 }
@@ -49,34 +53,39 @@ def parse_args(argv):
     args, shared = parser.parse_known_args(argv)
     if len(set(args.forms)) != len(args.forms):
         parser.error(f"--forms: each form once; got {' '.join(args.forms)}")
-    # Each form's step, parsed by profile_graphed_step.py's own parser: it refuses bad sizes, flags that are not
-    # its own and a missing GPU in one line, before anything is built.
+    printing_only = [flag for flag in shared if flag.split("=")[0] == "--top"]
+    if printing_only:
+        parser.error(f"{printing_only[0]}: profile_graphed_step.py's kernel table is not printed here; drop it")
+    # Each form's step, parsed by profile_graphed_step.py's own parser under this script's name: it refuses bad
+    # sizes, flags that are not its own and a missing GPU in one line, before anything is built.
     from version4_triton_ultra import profile_graphed_step
-    args.form_args = {form: profile_graphed_step.parse_args(shared + FORMS[form] + ["--steps", str(args.steps)])
+    args.form_args = {form: profile_graphed_step.parse_args(shared + FORMS[form] + ["--steps", str(args.steps)],
+                                                            prog=parser.prog)
                       for form in args.forms}
     args.shared = args.form_args[args.forms[0]]   # what every form shares: the sizes, the precision
     return args
 
 
 def time_forms(form_args: dict, rounds: int, steps: int) -> dict:
-    """{form: [median step ms of each round]}: every form built, warmed up and captured first, then timed in turns."""
+    """{form: [median step ms of each round]}: every form built, warmed up and captured first, then timed in turns.
+    Each round starts one form later than the round before, so that no form always comes first."""
+    import torch
     from version4_triton_ultra import profile_graphed_step
-    built = {form: profile_graphed_step.build_step(args) for form, args in form_args.items()}
-    for step, inputs, targets in built.values():
-        profile_graphed_step.median_step_ms(step, inputs, targets, steps=1)   # warm-up replays and the capture
-    times = {form: [] for form in built}
-    for _ in range(rounds):
-        for form, (step, inputs, targets) in built.items():
+    try:
+        built = {form: profile_graphed_step.build_step(args) for form, args in form_args.items()}
+        for step, inputs, targets in built.values():
+            profile_graphed_step.median_step_ms(step, inputs, targets, steps=1)   # warm-up replays and the capture
+    except torch.OutOfMemoryError:
+        raise ConfigError(f"the GPU's memory does not hold {len(form_args)} forms of this step at once (each keeps "
+                          f"its model, optimizer state and graph); compare fewer --forms per run") from None
+    forms = list(built)
+    times = {form: [] for form in forms}
+    for round_index in range(rounds):
+        start = round_index % len(forms)
+        for form in forms[start:] + forms[:start]:
+            step, inputs, targets = built[form]
             times[form].append(profile_graphed_step.median_step_ms(step, inputs, targets, steps=steps))
     return times
-
-
-def environment() -> dict:
-    import torch
-    import triton
-    backend = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "backend": backend}
 
 
 def report(times: dict) -> list[dict]:
@@ -93,7 +102,7 @@ def report(times: dict) -> list[dict]:
 def print_table(rows: list[dict], args) -> None:
     size = f"preset {args.shared.preset}" if args.shared.preset else "seed model"
     precision = "bfloat16 autocast" if args.shared.use_amp else "float32 (TF32 GEMMs)"
-    print(f"{environment()['gpu']}, {size}, {precision}: median step of {args.steps} replays per round, "
+    print(f"{software_and_gpu()['gpu']}, {size}, {precision}: median step of {args.steps} replays per round, "
           f"{args.rounds} interleaved rounds")
     print(f"{'form':<24} {'median ms':>10} {'vs first':>9}  rounds (ms)")
     for row in rows:
@@ -112,7 +121,7 @@ def main(argv=None) -> int:
             write_json(args.output_json, {
                 "benchmark": "version 4's step in several forms, interleaved rounds in one process",
                 "command": "python version4_triton_ultra/" + command_line("compare_step_forms.py", argv),
-                "environment": environment(), "preset": args.shared.preset, "use_amp": args.shared.use_amp,
+                "environment": software_and_gpu(), "preset": args.shared.preset, "use_amp": args.shared.use_amp,
                 "batch_size": args.shared.batch_size, "seq_len": args.shared.seq_len,
                 "rounds": args.rounds, "steps_per_round": args.steps, "rows": rows})
             print(f"results: {args.output_json}")

@@ -31,7 +31,8 @@ from version4_triton_ultra.kernels.swiglu_gemm import down_swiglu_backward, gate
 #   large   8,192 x 2,048 x 5,632  (94.5 G)                                         109.8 ms          105.3 ms
 # Small GEMMs are bound by launches and latency: the epilogue saves a kernel each way and a pass over gate_up. Large
 # ones are bound by the tensor cores, where the vendor BLAS's GEMM beats our Triton GEMM by more than the extra
-# pass costs. The threshold lies between the two smallest shapes. Not measured on AMD (hipBLASLt) nor in float32.
+# pass costs. The threshold lies between the two smallest shapes. In float32 (TF32) on an H200 the epilogues took
+# 4.2% longer at small and 10.7% at medium (compare_step_forms.py). Not measured on AMD (hipBLASLt).
 SEPARATE_SWIGLU_FROM_MULTIPLY_ADDS = 2 ** 30
 
 
@@ -50,7 +51,8 @@ def separate_swiglu_pays(rows: int, hidden_dim: int, intermediate_size: int) -> 
 #   medium  8,192 x 1,024 x 3,072  (25.8 G)                                     22.417 ms          21.949 ms
 #   large   8,192 x 2,048 x 6,144  (103 G)                                      92.992 ms          90.098 ms
 # As for SwiGLU, the vendor GEMM wins from the small preset up by more than the extra pass costs, and the epilogue
-# wins where launches and latency rule. Not measured on AMD (hipBLASLt), nor in float32, nor on an H100.
+# wins where launches and latency rule. In float32 (TF32) too, on the same GPU: the epilogue +1.0% at small, +1.6%
+# at medium (SwiGLU's epilogues +4.2% and +10.7%). Not measured on AMD (hipBLASLt), nor on an H100.
 SEPARATE_ROPE_FROM_MULTIPLY_ADDS = 2 ** 30
 
 
@@ -60,12 +62,15 @@ def separate_rope_pays(rows: int, hidden_dim: int) -> bool:
     return rows * hidden_dim * 3 * hidden_dim >= SEPARATE_ROPE_FROM_MULTIPLY_ADDS
 
 
-def uses_separate_rope(chosen: bool | None, rows: int, hidden_dim: int) -> bool:
-    """The QKV form a layer runs: the one chosen (True: separate, False: in the epilogue; the flags --separate-rope
-    and --rope-in-gemm), or, with None, the faster one at this size."""
-    if chosen is not None:
-        return chosen
-    return separate_rope_pays(rows, hidden_dim)
+def rope_form_of(rope_in_attention: bool, separate_rope: bool | None, rows: int, hidden_dim: int) -> str:
+    """Where a layer rotates q and k, the one answer every caller asks: "attention" (--rope-in-attention: as the
+    attention kernel loads them), "separate" (the vendor QKV GEMM, then a RoPE kernel) or "gemm" (the Triton QKV
+    GEMM's epilogue). separate_rope True / False is --separate-rope / --rope-in-gemm; None: the faster form at
+    this size (separate_rope_pays)."""
+    if rope_in_attention:
+        return "attention"
+    separate = separate_rope_pays(rows, hidden_dim) if separate_rope is None else separate_rope
+    return "separate" if separate else "gemm"
 
 
 def uses_separate_swiglu(chosen: bool | None, rows: int, hidden_dim: int, intermediate_size: int) -> bool:

@@ -7,6 +7,7 @@
     python profile_graphed_step.py --no-weight-grad-stream          (weight gradients on the main stream)
     python profile_graphed_step.py --rope-in-attention              (RoPE as attention loads q and k)
     python profile_graphed_step.py --rope-in-gemm                   (RoPE in the QKV GEMM at every size)
+    python profile_graphed_step.py --use-amp --preset small --swiglu-in-gemms   (SwiGLU in the GEMMs' epilogues)
     python profile_graphed_step.py --use-amp --torch-adamw          (torch's fused AdamW + a separate weight copy)
 
 The training script (tiny_llama_v4.py) times the whole loop: the graph replay plus the copy of each batch into
@@ -74,8 +75,12 @@ def family_totals(rows) -> list[tuple[str, float]]:
     return sorted(totals.items(), key=lambda item: -item[1])
 
 
-def parse_args(argv):
-    parser = OneLineParser(prog="profile_graphed_step.py",
+def parse_args(argv, prog: str = "profile_graphed_step.py"):
+    """The flags, checked: prog names the script in the one-line errors (compare_step_forms.py parses its forms'
+    steps here under its own name)."""
+    # The training script's switches between each fusion and the form it replaces.
+    from version4_triton_ultra.tiny_llama_v4 import add_rope_arguments, add_swiglu_arguments
+    parser = OneLineParser(prog=prog,
                            description="Median time and kernel table of version 4's graph-captured step.")
     parser.add_argument("--preset", choices=available_presets(),
                         help="the model, batch size and sequence length of configs/PRESET.yaml (default: the "
@@ -85,15 +90,8 @@ def parse_args(argv):
     parser.add_argument("--use-amp", action="store_true", help="bfloat16 autocast (default: float32 with TF32)")
     parser.add_argument("--no-weight-grad-stream", dest="weight_grad_stream", action="store_false",
                         help="weight-gradient GEMMs on the main stream (default: on a second stream)")
-    rope = parser.add_mutually_exclusive_group()
-    rope.add_argument("--rope-in-attention", action="store_true",
-                      help="RoPE as the attention kernel loads q and k, after a vendor QKV GEMM")
-    rope.add_argument("--separate-rope", dest="separate_rope", action="store_const", const=True, default=None,
-                      help="the vendor QKV GEMM, then RoPE as a kernel of its own (default: the faster form at the "
-                           "size, this from the small preset up)")
-    rope.add_argument("--rope-in-gemm", dest="separate_rope", action="store_const", const=False,
-                      help="RoPE in the Triton QKV GEMM's epilogue (default: the faster form at the size, this "
-                           "below the small preset)")
+    add_rope_arguments(parser)
+    add_swiglu_arguments(parser)
     parser.add_argument("--torch-adamw", action="store_true",
                         help="torch.optim.AdamW(fused=True) and a separate bfloat16 weight copy (default: version "
                              "4's Triton AdamW, which writes the copies)")
@@ -129,10 +127,13 @@ def model_config(args) -> ModelConfig:
 def shape_problem(args) -> str | None:
     """Version 4's shape rules (tiny_llama_v4.shape_problem) for the model at this batch and sequence."""
     from version4_triton_ultra import tiny_llama_v4 as v4
+    from version4_triton_ultra.fused_layers import rope_form_of, uses_separate_swiglu
     gemm_dtype = torch.bfloat16 if args.use_amp else torch.float32
-    return v4.shape_problem(model_config(args), args.batch_size, args.seq_len, gemm_dtype,
-                            rope_form="attention" if args.rope_in_attention else (
-                                None if args.separate_rope is None else "separate" if args.separate_rope else "gemm"))
+    config, rows = model_config(args), args.batch_size * args.seq_len
+    rope_form = rope_form_of(args.rope_in_attention, args.separate_rope, rows, config.hidden_dim)
+    separate_swiglu = uses_separate_swiglu(args.separate_swiglu, rows, config.hidden_dim, config.intermediate_size)
+    return v4.shape_problem(config, args.batch_size, args.seq_len, gemm_dtype, rope_form=rope_form,
+                            swiglu_in_gemms=not separate_swiglu)
 
 
 def build_step(args):
@@ -148,6 +149,7 @@ def build_step(args):
     model.use_triton_adamw = not args.torch_adamw
     model.use_rope_in_attention(args.rope_in_attention)
     model.use_separate_rope(args.separate_rope)
+    model.use_separate_swiglu(args.separate_swiglu)
     model.cuda()
     step = graphed_step.GraphedStep(model, model.configure_optimizer(train), torch.device("cuda"), train,
                                     weight_gradient_stream=args.weight_grad_stream)

@@ -80,8 +80,7 @@ from version4_triton_ultra import graphed_step  # noqa: E402
 from version4_triton_ultra.backward_overlap import (  # noqa: E402
     CallDuringBackward, ProjectionMatmul, WeightGradientStream)
 from version4_triton_ultra.fused_layers import (  # noqa: E402
-    RotaryQKVAttention, SwiGLUFeedForward, separate_rope_pays, separate_swiglu_pays, uses_separate_rope,
-    uses_separate_swiglu)
+    RotaryQKVAttention, SwiGLUFeedForward, rope_form_of, separate_swiglu_pays, uses_separate_swiglu)
 from version4_triton_ultra.kernels import add_rmsnorm as norm_kernels  # noqa: E402
 from version4_triton_ultra.kernels import flash_attention as attention_kernels  # noqa: E402
 from version4_triton_ultra.kernels import qk_rotation as rotation_kernels  # noqa: E402
@@ -151,12 +150,12 @@ class Attention(nn.Module):
         with profile_range("attention"):
             # qkv is [B, S, 3D]: per token the q heads, then the k heads, then the v heads. The kernels read each
             # head in place (row stride 3D) instead of transposing q, k, v into [B, H, S, Dh] first.
-            if self.rope_in_qkv_gemm:   # qkv_proj's weight (and 16-bit copy, stream) in RotaryQKVAttention
-                dim = x.shape[-1]
-                separate = uses_separate_rope(self.separate_rope, x.numel() // dim, dim)
+            dim = x.shape[-1]
+            form = rope_form_of(not self.rope_in_qkv_gemm, self.separate_rope, x.numel() // dim, dim)
+            if form != "attention":   # qkv_proj's weight (and 16-bit copy, stream) in RotaryQKVAttention
                 out = RotaryQKVAttention.apply(x, self.qkv_proj.weight, self.qkv_proj.gemm_weight(x.device.type),
                                                cos, sin, self.num_heads, self.exact_float32,
-                                               self.qkv_proj.weight_grad_stream, separate)
+                                               self.qkv_proj.weight_grad_stream, form == "separate")
             else:
                 out = flash_attention_packed(self.qkv_proj(x), self.num_heads, causal=True, rope=(cos, sin),
                                              precise_fp32=self.exact_float32)
@@ -437,27 +436,8 @@ def add_arguments(group):
     group.add_argument("--no-weight-grad-stream", dest="weight_grad_stream", action="store_false", default=True,
                        help="in the graph-captured step, compute the weight gradients on the main stream instead "
                             "of a second one (to measure what the overlap saves)")
-    rope = group.add_mutually_exclusive_group()
-    rope.add_argument("--rope-in-attention", action="store_true",
-                      help="rotate q and k by RoPE as the attention kernel loads them, after a vendor QKV GEMM, "
-                           "instead of in the QKV GEMM's epilogue (version 4's first fusion of RoPE; to compare)")
-    # Default (none of the three): the form that is faster at the run's size, from about a billion multiply-adds
-    # in the QKV GEMM the vendor's (fused_layers.separate_rope_pays).
-    rope.add_argument("--separate-rope", dest="separate_rope", action="store_const", const=True, default=None,
-                      help="at every size, compute the QKV GEMM with the vendor BLAS and RoPE as a kernel of its "
-                           "own (default: chosen by size, this from the small preset up)")
-    rope.add_argument("--rope-in-gemm", dest="separate_rope", action="store_const", const=False,
-                      help="at every size, rotate q and k in the epilogue of a Triton QKV GEMM (default: chosen by "
-                           "size, this below the small preset)")
-    # Default (neither flag): the form that is faster at the run's size, from about a billion multiply-adds per
-    # feed-forward GEMM the vendor's (fused_layers.separate_swiglu_pays).
-    swiglu = group.add_mutually_exclusive_group()
-    swiglu.add_argument("--separate-swiglu", dest="separate_swiglu", action="store_const", const=True, default=None,
-                        help="at every size, compute the feed-forward GEMMs with the vendor BLAS and SwiGLU as a "
-                             "kernel of its own each way (default: chosen by size, this from the small preset up)")
-    swiglu.add_argument("--swiglu-in-gemms", dest="separate_swiglu", action="store_const", const=False,
-                        help="at every size, compute SwiGLU in the epilogues of Triton feed-forward GEMMs "
-                             "(default: chosen by size, this below the small preset)")
+    add_rope_arguments(group)
+    add_swiglu_arguments(group)
     group.add_argument("--torch-adamw", action="store_true",
                        help="update the weights with torch.optim.AdamW(fused=True) and copy the bfloat16 weights "
                             "in a kernel of their own, instead of version 4's Triton AdamW (to compare)")
@@ -467,6 +447,35 @@ def add_arguments(group):
                        help="under torchrun, in the graph-captured step: sum the embedding's gradient over the "
                             "ranks by all-reducing the table (table) or by gathering every rank's token rows (rows); "
                             "auto (the default): rows while ranks x tokens per rank <= vocabulary size")
+
+
+def add_rope_arguments(parser):
+    """The three RoPE switches, one at most (also profile_graphed_step.py's). Default (none of them): the form that
+    is faster at the run's size, from about a billion multiply-adds in the QKV GEMM the vendor's
+    (fused_layers.separate_rope_pays)."""
+    rope = parser.add_mutually_exclusive_group()
+    rope.add_argument("--rope-in-attention", action="store_true",
+                      help="rotate q and k by RoPE as the attention kernel loads them, after a vendor QKV GEMM, "
+                           "instead of in the QKV GEMM's epilogue (version 4's first fusion of RoPE; to compare)")
+    rope.add_argument("--separate-rope", dest="separate_rope", action="store_const", const=True, default=None,
+                      help="at every size, compute the QKV GEMM with the vendor BLAS and RoPE as a kernel of its "
+                           "own (default: chosen by size, this from the small preset up)")
+    rope.add_argument("--rope-in-gemm", dest="separate_rope", action="store_const", const=False,
+                      help="at every size, rotate q and k in the epilogue of a Triton QKV GEMM (default: chosen by "
+                           "size, this below the small preset)")
+
+
+def add_swiglu_arguments(parser):
+    """The two SwiGLU switches, one at most (also profile_graphed_step.py's). Default (neither): the form that is
+    faster at the run's size, from about a billion multiply-adds per feed-forward GEMM the vendor's
+    (fused_layers.separate_swiglu_pays)."""
+    swiglu = parser.add_mutually_exclusive_group()
+    swiglu.add_argument("--separate-swiglu", dest="separate_swiglu", action="store_const", const=True, default=None,
+                        help="at every size, compute the feed-forward GEMMs with the vendor BLAS and SwiGLU as a "
+                             "kernel of its own each way (default: chosen by size, this from the small preset up)")
+    swiglu.add_argument("--swiglu-in-gemms", dest="separate_swiglu", action="store_const", const=False,
+                        help="at every size, compute SwiGLU in the epilogues of Triton feed-forward GEMMs "
+                             "(default: chosen by size, this below the small preset)")
 
 
 def shape_problem(config: ModelConfig, batch_size: int, seq_len: int, gemm_dtype: torch.dtype = torch.float32,
@@ -480,8 +489,7 @@ def shape_problem(config: ModelConfig, batch_size: int, seq_len: int, gemm_dtype
     --separate-swiglu; swiglu_in_gemms None: where the size rule keeps them), so that a bad size is reported before
     anything is built instead of as a traceback from inside a kernel launch."""
     rows, dim, head_dim = batch_size * seq_len, config.hidden_dim, config.head_dim
-    if rope_form is None:
-        rope_form = "separate" if separate_rope_pays(rows, dim) else "gemm"
+    rope_form = rope_form or rope_form_of(False, None, rows, dim)
     if swiglu_in_gemms is None:
         swiglu_in_gemms = not separate_swiglu_pays(rows, dim, config.intermediate_size)
     sizes = f"batch {batch_size} x seq_len {seq_len} = {rows} rows, hidden_dim {dim}"
@@ -515,17 +523,10 @@ def shape_problem_of_args(args) -> str | None:
 
 
 def rope_form_of_args(args, config: ModelConfig, train) -> str:
-    """Where this run rotates q and k: "attention" (--rope-in-attention), "separate" or "gemm"."""
-    if getattr(args, "rope_in_attention", False):
-        return "attention"
-    return "separate" if separate_rope_of_args(args, config, train) else "gemm"
-
-
-def separate_rope_of_args(args, config: ModelConfig, train) -> bool:
-    """Whether this run's attention layers use the vendor QKV GEMM and a RoPE kernel of its own: as a flag says,
-    or else as the run's size decides (the layers decide the same way from the batch they get)."""
-    return uses_separate_rope(getattr(args, "separate_rope", None), train.batch_size * train.seq_len,
-                              config.hidden_dim)
+    """Where this run rotates q and k (fused_layers.rope_form_of): as a flag says, or else as the run's size decides
+    (the layers decide the same way from the batch they get)."""
+    return rope_form_of(getattr(args, "rope_in_attention", False), getattr(args, "separate_rope", None),
+                           train.batch_size * train.seq_len, config.hidden_dim)
 
 
 def separate_swiglu_of_args(args, config: ModelConfig, train) -> bool:
@@ -568,14 +569,19 @@ def build_model(config, args):
     return model
 
 
+ROPE_DESCRIPTIONS = {"attention": "in the attention kernel, on load",
+                     "separate": "a kernel of its own, after a vendor QKV GEMM",
+                     "gemm": "in the QKV GEMM's epilogue"}
+
+
 def describe_rope(args) -> str:
     """Where this run rotates q and k (the header's RoPE line)."""
-    if args.rope_in_attention:
-        return "in the attention kernel, on load"
-    chosen_by_size = getattr(args, "separate_rope", None) is None
-    separate = separate_rope_of_args(args, *resolve_configs(args)) if chosen_by_size else args.separate_rope
-    rope = "a kernel of its own, after a vendor QKV GEMM" if separate else "in the QKV GEMM's epilogue"
-    return rope + (" (the faster form at this size)" if chosen_by_size else "")
+    chosen_by_size = not args.rope_in_attention and getattr(args, "separate_rope", None) is None
+    # Only a size decides needs the run's configuration (a caller may describe flags without one).
+    # (A form a flag chose does not depend on the size: rows and width are then not looked at.)
+    form = rope_form_of_args(args, *resolve_configs(args)) if chosen_by_size else rope_form_of(
+        args.rope_in_attention, args.separate_rope, rows=0, hidden_dim=0)
+    return ROPE_DESCRIPTIONS[form] + (" (the faster form at this size)" if chosen_by_size else "")
 
 
 def describe(args) -> dict:

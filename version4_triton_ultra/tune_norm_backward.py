@@ -10,12 +10,12 @@ kernels/add_rmsnorm.py launches its backward kernel by rules of the row width (`
 loaded before the current one is computed. Each candidate here is ROWS,WARPS,PROGRAMS_PER_SM,PREFETCH (0 or 1)
 and replaces those rules at this width only. The first row of the table is the rules' own launch.
 
-How it times: one CUDA/HIP graph of 20 back-to-back launches per candidate, replayed in interleaved rounds
-(median of 5, microseconds per launch). Not do_bench per call: this kernel takes 15-120 us, and a Python launch
-of it (allocations, argument packing) can take longer, so a per-call timer measures the host; that is why an
-earlier do_bench figure of ~135 us at 8,192 x 512 was far from the kernel's ~30 us. The 20 launches read the same
-inputs, so at small row counts part of them stays in the L2 cache, as in the training step, where each norm
-reads what the kernel before it has just written. `--in-step PRESET` settles it: version 4's graph-captured step
+How it times (tinytransformer/kernel_bench/graph_timing.py): one CUDA/HIP graph of 20 back-to-back launches per
+candidate, replayed in interleaved rounds (median of 5, microseconds per launch). Not do_bench per call: this
+kernel takes 15-120 us, and a Python launch of it (allocations, argument packing) can take longer, so a per-call
+timer measures the host; that is why an earlier do_bench figure of ~135 us at 8,192 x 512 was far from the
+kernel's ~30 us. The 20 launches read the same inputs, so at small row counts part of them stays in the L2 cache,
+as in the training step, where each norm reads what the kernel before it has just written. `--in-step PRESET` settles it: version 4's graph-captured step
 at that preset (profile_graphed_step.build_step), once under the rules and once under each of the 2 fastest
 candidates, timed in interleaved rounds.
 
@@ -23,7 +23,6 @@ Every candidate is checked against float64: grad_h and the weight gradient (its 
 contributions) to a relative error below 1e-5, the bfloat16 copy of grad_h below 2e-2, else the row says WRONG.
 Candidate tiles above 16,384 elements are skipped. Needs a GPU.
 """
-import statistics
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from tinytransformer.cli import OneLineParser, positive_int  # noqa: E402
 from tinytransformer.config import ModelConfig, available_presets, preset_settings  # noqa: E402
+from tinytransformer.kernel_bench.graph_timing import captured_launches, graph_ms, time_interleaved  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
 
 enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
@@ -150,40 +150,6 @@ def largest_error(outputs, want) -> float:
                relative_error(copy, want[0]) / COPY_TOLERANCE * TOLERANCE)
 
 
-def captured_launches(inputs, launches: int):
-    """A graph of `launches` back-to-back backward launches (after a few eager ones on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            run_backward(inputs)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            run_backward(inputs)
-    return graph
-
-
-def time_interleaved(runs: dict, rounds: int) -> dict:
-    """{name: median over rounds of run()'s milliseconds}, the runs taking turns within each round."""
-    times = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            times[name].append(run())
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
-def graph_ms(graph) -> float:
-    graph.replay()   # once untimed: the first replay after another graph may wait on clocks or caches
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
-
-
 def label(launch) -> str:
     return "the rules" if launch is None else "{} rows, {} warps, {}/SM{}".format(*launch[:3], ", prefetch" * launch[3])
 
@@ -216,7 +182,7 @@ def main(argv=None) -> int:
         with Override(block_d, launch):
             try:
                 errors[name] = largest_error(run_backward(inputs), want)
-                graphs[name] = captured_launches(inputs, LAUNCHES_PER_GRAPH)
+                graphs[name] = captured_launches(lambda: run_backward(inputs), LAUNCHES_PER_GRAPH)
             except Exception as why:   # noqa: BLE001 - a launch this GPU cannot compile or run is not a candidate
                 print(f"{name:<34} fails: {str(why).splitlines()[0][:80]}")
     times = time_interleaved({name: (lambda g=g: graph_ms(g)) for name, g in graphs.items()}, ROUNDS)

@@ -7,14 +7,15 @@
 Version 4 runs it from about a billion multiply-adds in the QKV GEMM (fused_layers.separate_rope_pays) and under
 --separate-rope: the QKV product then comes from the vendor BLAS (cuBLAS, hipBLASLt), and RoPE costs one more
 pass over q and k. Whether the epilogue wins depends on the shape (at large sizes the vendor GEMM is faster than
-the Triton one by more than that pass costs); --rope-in-gemm and --separate-rope are there to measure it. The backward pass needs nothing from this file in either form: the attention backward
-returns dq and dk rotated back, the gradients of the unrotated product. The arithmetic is the epilogue's:
-float32 on the stored (rounded) product, the result rounded once to qkv's dtype.
+the Triton one by more than that pass costs); --rope-in-gemm and --separate-rope are there to measure it. The
+backward pass needs nothing from this file in either form: the attention backward returns dq and dk rotated back,
+the gradients of the unrotated product. The arithmetic is the epilogue's: float32 on the stored (rounded)
+product, the result rounded once to qkv's dtype.
 
 A program rotates BLOCK_M rows x HEADS heads. It loads each head as its two halves (columns j and j + Dh/2 are
 the pairs rotate_half mixes), so no element is shuffled in registers, and reads the cos and sin tables once per
 row as [BLOCK_M, Dh/2] halves broadcast over its heads. Row offsets are int64 (N x 3D passes 2**31 at large
-batches).
+batches), and the row blocks run on the grid's first axis, so the number of rows has no limit of its own.
 """
 import torch
 import triton
@@ -22,8 +23,10 @@ import triton.language as tl
 
 from tinytransformer.triton_support import (MAX_GRID_SECOND_AXIS, interpreter_active, interpreter_block,
                                             small_interpreter_blocks)
-# The head dims are the attention kernels' (qkv is their input): one definition in version 4.
+# The head dims are the attention kernels' (qkv is their input), and the cos / sin tables are read as the QKV
+# GEMM's epilogue reads them: one definition of each in version 4.
 from version4_triton_ultra.kernels.flash_attention import SUPPORTED_HEAD_DIMS
+from version4_triton_ultra.kernels.qkv_rope_gemm import head_dim_problem, rope_tables
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -36,10 +39,11 @@ def _rotate_qk_kernel(
     n_rows, dim, seq_len,
     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Grid: (cdiv(2 * dim / HEAD_DIM, HEADS), cdiv(n_rows, BLOCK_M)). Heads are numbered over q then k."""
+    """Grid: (cdiv(n_rows, BLOCK_M), cdiv(2 * dim / HEAD_DIM, HEADS)). Heads are numbered over q then k. The row
+    blocks are on the grid's first axis, which allows 2**31 - 1 programs (the second allows 65,535)."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    rows = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    heads = tl.program_id(0) * HEADS + tl.arange(0, HEADS)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     halves = tl.arange(0, HALF)
     mask = (rows < n_rows)[:, None, None] & (heads < 2 * dim // HEAD_DIM)[None, :, None]
     # [row, head, column within the first half]; the second half is HALF columns further on.
@@ -60,63 +64,67 @@ def _rotate_qk_kernel(
 
 
 def _launch_config(n_rows: int, rotated_heads: int, head_dim: int) -> dict:
-    """Rows and heads per program. On a GPU about 8,192 elements a program (16 KB in bfloat16: 32 rows x 256
-    columns of heads), 4 warps; nothing here depends on the warp's width (32 on NVIDIA, 64 on AMD)."""
+    """Rows and heads per program. On a GPU: every q and k head of a row up to 1,024 columns, rows to make 2,048
+    elements a program, 8 warps. From tune_qk_rotation.py on an H200 (the small, medium and large presets'
+    shapes, bfloat16, and medium in float32; benchmarks/results/kernel_time/h200_rotation_launch_*.json): the
+    fastest launch or within 2% of it at each, where 8,192-element programs of 4 warps had taken 20-35% longer.
+    Nothing here depends on the warp's width (32 on NVIDIA, 64 on AMD: there 4 elements a thread)."""
     heads = triton.next_power_of_2(rotated_heads)
     if interpreter_active():
         if small_interpreter_blocks():   # kernel tests: small blocks, so small problems span several
             return dict(BLOCK_M=4, HEADS=1, num_warps=1)
         return dict(BLOCK_M=interpreter_block(n_rows, 16, 256), HEADS=heads, num_warps=1)
-    heads = min(heads, max(1, 256 // head_dim))
-    return dict(BLOCK_M=max(1, 8192 // (heads * head_dim)), HEADS=heads, num_warps=4)
+    heads = min(heads, max(1, 1024 // head_dim))
+    return dict(BLOCK_M=max(1, 2048 // (heads * head_dim)), HEADS=heads, num_warps=8)
 
 
 def _grid(n_rows: int, rotated_heads: int, config: dict) -> tuple:
-    return triton.cdiv(rotated_heads, config["HEADS"]), triton.cdiv(n_rows, config["BLOCK_M"])
+    return triton.cdiv(n_rows, config["BLOCK_M"]), triton.cdiv(rotated_heads, config["HEADS"])
 
 
 def _grid_problem(n_rows: int, rotated_heads: int, config: dict) -> str | None:
-    row_blocks = _grid(n_rows, rotated_heads, config)[1]
-    if row_blocks > MAX_GRID_SECOND_AXIS:
-        return (f"{n_rows} rows need {row_blocks} row blocks of {config['BLOCK_M']}; the grid allows "
-                f"{MAX_GRID_SECOND_AXIS}: use a smaller batch x sequence")
+    head_blocks = _grid(n_rows, rotated_heads, config)[1]
+    if head_blocks > MAX_GRID_SECOND_AXIS:
+        return (f"{rotated_heads} q and k heads need {head_blocks} blocks of {config['HEADS']}; the grid allows "
+                f"{MAX_GRID_SECOND_AXIS}: use fewer heads")
     return None
 
 
 def shape_problem(n_rows: int, dim: int, head_dim: int) -> str | None:
     """Why the kernel cannot rotate a qkv of n_rows rows of 3 x dim columns with heads of head_dim (one line), or
-    None when it can: the head dims it supports and its grid's row blocks under this machine's launch choice.
+    None when it can: the head dims it supports and its grid's head blocks under this machine's launch choice.
     rotate_qk_ raises it; version 4's check_arguments asks it before anything is built."""
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"head dim {head_dim} not supported; use one of {SUPPORTED_HEAD_DIMS}"
+    problem = head_dim_problem(head_dim)
+    if problem:
+        return problem
     rotated_heads = 2 * dim // head_dim
     return _grid_problem(n_rows, rotated_heads, _launch_config(n_rows, rotated_heads, head_dim))
 
 
-def rotate_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_len: int, head_dim: int) -> torch.Tensor:
+def rotate_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_len: int, head_dim: int,
+               launch: dict | None = None) -> torch.Tensor:
     """Rotates the q and k heads of qkv [N, 3D] (N = B * seq_len; row r is position r % seq_len) by RoPE, in
-    place, and returns qkv. cos, sin: [>= seq_len, head_dim] tables (any float dtype; read as float32)."""
+    place, and returns qkv. cos, sin: [>= seq_len, head_dim] tables (any float dtype; read as float32).
+    launch: BLOCK_M, HEADS and num_warps instead of _launch_config's (tune_qk_rotation.py's candidates)."""
     if qkv.dtype not in SUPPORTED_DTYPES or qkv.dim() != 2 or not qkv.is_contiguous():
         raise ValueError(f"need a contiguous qkv [N, 3D] in one of {SUPPORTED_DTYPES}; got {qkv.dtype} "
                          f"{list(qkv.shape)}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim {head_dim} not supported; use one of {SUPPORTED_HEAD_DIMS}")
     n_rows, width = qkv.shape
+    problem = shape_problem(n_rows, width // 3, head_dim)
+    if problem:
+        raise ValueError(problem)
     if width % 3 or (width // 3) % head_dim:
         raise ValueError(f"qkv must be [N, 3D] with D a multiple of head_dim {head_dim}; got {list(qkv.shape)}")
-    if seq_len < 1 or n_rows % seq_len:
-        raise ValueError(f"qkv has {n_rows} rows: not whole sequences of {seq_len}")
-    for name, table in (("cos", cos), ("sin", sin)):
-        if table.dim() != 2 or table.shape[0] < seq_len or table.shape[1] != head_dim:
-            raise ValueError(f"rope {name} table must be [>= {seq_len}, {head_dim}]; got {list(table.shape)}")
+    cos, sin = rope_tables(cos, sin, n_rows, seq_len, head_dim, qkv.device)
     if n_rows == 0:
         return qkv
     dim = width // 3
     rotated_heads = 2 * dim // head_dim
-    cos, sin = (table[:seq_len].to(device=qkv.device, dtype=torch.float32).contiguous() for table in (cos, sin))
-    config = _launch_config(n_rows, rotated_heads, head_dim)
-    problem = _grid_problem(n_rows, rotated_heads, config)
-    if problem:
-        raise ValueError(problem)
-    _rotate_qk_kernel[_grid(n_rows, rotated_heads, config)](qkv, cos, sin, n_rows, dim, seq_len, HEAD_DIM=head_dim, **config)
+    config = launch or _launch_config(n_rows, rotated_heads, head_dim)
+    if launch:   # the rule's own launch passed shape_problem above
+        problem = _grid_problem(n_rows, rotated_heads, launch)
+        if problem:
+            raise ValueError(problem)
+    _rotate_qk_kernel[_grid(n_rows, rotated_heads, config)](qkv, cos, sin, n_rows, dim, seq_len, HEAD_DIM=head_dim,
+                                                             **config)
     return qkv

@@ -141,7 +141,7 @@ def _config_problem(n_rows: int, head_dim: int, config: dict) -> str | None:
     return None
 
 
-def _head_dim_problem(head_dim: int) -> str | None:
+def head_dim_problem(head_dim: int) -> str | None:
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return f"head dim {head_dim} not supported; use one of {SUPPORTED_HEAD_DIMS}"
     return None
@@ -154,13 +154,26 @@ def _weight_problem(width: int, n_in: int) -> str | None:
     return None
 
 
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, n_rows: int, seq_len: int, head_dim: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos and sin tables as the kernels read them: their first seq_len positions, float32, contiguous, on
+    device. Raises ValueError unless n_rows are whole sequences of seq_len and both tables are [>= seq_len,
+    head_dim]. Both RoPE kernels (this GEMM and qk_rotation.rotate_qk_) take their tables through here."""
+    if seq_len < 1 or n_rows % seq_len:
+        raise ValueError(f"{n_rows} rows are not whole sequences of {seq_len}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 2 or table.shape[0] < seq_len or table.shape[1] != head_dim:
+            raise ValueError(f"rope {name} table must be [>= {seq_len}, {head_dim}]; got {list(table.shape)}")
+    return tuple(table[:seq_len].to(device=device, dtype=torch.float32).contiguous() for table in (cos, sin))
+
+
 def shape_problem(n_rows: int, n_in: int, dim: int, head_dim: int, dtype: torch.dtype) -> str | None:
     """Why the kernel cannot compute the rotated qkv [N, 3D] of N = n_rows rows from an inner dimension K = n_in
     with heads of head_dim in dtype (one line), or None when it can: the head dims it supports, the weight's
     32-bit offsets, and its launch choice on this machine (column tiles of whole heads, row blocks within the
     grid's limit). qkv_rope raises it; version 4's check_arguments asks it before anything is built."""
     config = _launch_config(dtype, n_rows, head_dim, 3 * dim, n_in)
-    return (_head_dim_problem(head_dim) or _weight_problem(3 * dim, n_in)
+    return (head_dim_problem(head_dim) or _weight_problem(3 * dim, n_in)
             or _config_problem(n_rows, head_dim, config))
 
 
@@ -177,17 +190,13 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
                          f"{list(x.shape)} and {weight.dtype} {list(weight.shape)}")
     n_rows, n_in = x.shape
     width = weight.shape[0]
-    problem = _head_dim_problem(head_dim)
+    problem = head_dim_problem(head_dim)
     if problem:
         raise ValueError(problem)
     if weight.shape[1] != n_in or width % 3 or (width // 3) % head_dim:
         raise ValueError(f"weight must be [3D, {n_in}] with D a multiple of head_dim {head_dim}; "
                          f"got {list(weight.shape)}")
-    if seq_len < 1 or n_rows % seq_len:
-        raise ValueError(f"x has {n_rows} rows: not whole sequences of {seq_len}")
-    for name, table in (("cos", cos), ("sin", sin)):
-        if table.dim() != 2 or table.shape[0] < seq_len or table.shape[1] != head_dim:
-            raise ValueError(f"rope {name} table must be [>= {seq_len}, {head_dim}]; got {list(table.shape)}")
+    cos, sin = rope_tables(cos, sin, n_rows, seq_len, head_dim, x.device)
     dim = width // 3
     config = _launch_config(x.dtype, n_rows, head_dim, width, n_in)
     if not interpreter_active():
@@ -196,7 +205,6 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
     if problem:
         raise ValueError(problem)
     x, weight = x.contiguous(), weight.contiguous()
-    cos, sin = (table[:seq_len].to(device=x.device, dtype=torch.float32).contiguous() for table in (cos, sin))
     qkv = _new_output((n_rows, width), x.dtype, x.device)
     if n_rows == 0:
         return qkv

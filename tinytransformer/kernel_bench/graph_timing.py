@@ -1,0 +1,51 @@
+"""Timing a kernel that takes microseconds: a CUDA/HIP graph of back-to-back launches, replayed in turns.
+
+A Python launch of a Triton kernel (argument packing, allocations) can take longer on the host than a small
+kernel takes on the GPU, so a timer per call (triton.testing.do_bench) may measure the host. Captured in a graph,
+the launches run back to back on the GPU, and one replay timed with device events divided by the number of
+launches is the kernel's own time. The candidates of a tuner take turns (time_interleaved), so that a clock
+change or a neighbour slows every candidate of a round, not one. The tuners of version 4
+(tune_norm_backward.py, tune_qk_rotation.py) time this way.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+
+def captured_launches(run: Callable[[], object], launches: int) -> torch.cuda.CUDAGraph:
+    """A graph of `launches` back-to-back calls of run() (after three eager ones on a side stream, which compile
+    the kernel and let the allocator settle before the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            run()
+    return graph
+
+
+def graph_ms(graph: torch.cuda.CUDAGraph) -> float:
+    """Milliseconds of one replay, timed with device events."""
+    graph.replay()   # once untimed: the first replay after another graph may wait on clocks or caches
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_interleaved(runs: dict, rounds: int) -> dict:
+    """{name: median over rounds of run()'s milliseconds}, the runs taking turns within each round."""
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name].append(run())
+    return {name: statistics.median(values) for name, values in times.items()}

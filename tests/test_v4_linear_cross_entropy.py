@@ -187,6 +187,21 @@ def test_matmul_to_float32_of_16bit_operands(device):
     assert_matches(product, a.double() @ b.double(), torch.bfloat16, "a @ b")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_accumulate_matmul_adds_in_place(dtype, device):
+    """The second chunk's weight gradient is added into the first's float32 buffer (on a GPU in the GEMM's
+    epilogue for 16-bit operands), and the sum is right."""
+    a, c = random((40, 70), dtype, device, seed=7), random((40, 70), dtype, device, seed=9)
+    b, d = random((70, 30), dtype, device, seed=8), random((70, 30), dtype, device, seed=10)
+    total = lce.accumulate_matmul(None, a, b)
+    address = total.data_ptr()
+    total = lce.accumulate_matmul(total, c, d)
+    assert total.dtype == torch.float32 and total.data_ptr() == address
+    want = a.double() @ b.double() + c.double() @ d.double()
+    tf32_or_16bit = dtype == torch.bfloat16 or device.type == "cuda"   # float32 GEMMs may run in TF32 on a GPU
+    assert_matches(total, want, torch.bfloat16 if tf32_or_16bit else torch.float32, "a @ b + c @ d")
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the all-ignored 0/0 below
 @pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
 @pytest.mark.parametrize("n_rows", [1, 1023, 1025, 3000, 40000])

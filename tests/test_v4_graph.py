@@ -91,7 +91,7 @@ def test_compare_step_forms_out_of_memory_is_one_line(monkeypatch):
     from version4_triton_ultra.compare_step_forms import time_forms
 
     def build(args):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     fake_steps(monkeypatch, build)
     with pytest.raises(ConfigError, match="does not hold 2 forms") as error:
         time_forms({"a": SimpleNamespace(), "b": SimpleNamespace()}, rounds=1, steps=5)

@@ -200,6 +200,10 @@ def test_accumulate_matmul_adds_in_place(dtype, device):
     want = a.double() @ b.double() + c.double() @ d.double()
     tf32_or_16bit = dtype == torch.bfloat16 or device.type == "cuda"   # float32 GEMMs may run in TF32 on a GPU
     assert_matches(total, want, torch.bfloat16 if tf32_or_16bit else torch.float32, "a @ b + c @ d")
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.version.hip:
+        assert lce._FLOAT32_OUTPUT_ADDMM["supported"], "the GEMM's float32-output add is off on this GPU"
+    with pytest.raises(ValueError, match="float32"):
+        lce.accumulate_matmul(total.double(), c, d)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the all-ignored 0/0 below

@@ -90,11 +90,16 @@ def test_rotation_rejects_bad_inputs(device):
 
 def test_rotation_shape_rule(monkeypatch):
     """The GPU's launch, checked on any machine: the row blocks run on the grid's first axis, so 16.8M rows (more
-    than 65,535 row blocks of any tile here) are allowed; heads beyond the second axis and odd head dims are not."""
+    than 65,535 row blocks of any tile here) are allowed on NVIDIA; heads beyond the second axis, unsupported head
+    dims and, on AMD, more row blocks x threads than 2**32 are not."""
     monkeypatch.setattr(qk, "interpreter_active", lambda: False)
     assert qk.shape_problem(65535 * 257, 64, 64) is None
     assert "fewer heads" in qk.shape_problem(8, 64 * 2**20, 32)
     assert qk.shape_problem(8, 96, 24).startswith("head dim 24 not supported")
+    monkeypatch.setattr(qk, "is_rocm", lambda: True)
+    monkeypatch.setattr(qk, "threads_per_warp", lambda: 64)
+    assert "2**32 work items" in qk.shape_problem(65535 * 257, 1024, 64)   # 8.4M row blocks of 512 threads
+    assert qk.shape_problem(16 * 2**20 - 2, 1024, 64) is None   # 8,388,607 row blocks: the most that fit
 
 
 def test_rotation_of_no_rows_is_a_no_op(device):

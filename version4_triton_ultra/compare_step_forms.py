@@ -75,7 +75,7 @@ def time_forms(form_args: dict, rounds: int, steps: int) -> dict:
         built = {form: profile_graphed_step.build_step(args) for form, args in form_args.items()}
         for step, inputs, targets in built.values():
             profile_graphed_step.median_step_ms(step, inputs, targets, steps=1)   # warm-up replays and the capture
-    except torch.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError:
         raise ConfigError(f"the GPU's memory does not hold {len(form_args)} forms of this step at once (each keeps "
                           f"its model, optimizer state and graph); compare fewer --forms per run") from None
     forms = list(built)

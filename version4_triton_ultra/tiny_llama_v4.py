@@ -387,7 +387,8 @@ class TinyLlama(nn.Module):
                                  capturable=on_gpu and self.capturable_optimizer, **hyper)
 
     def use_rope_in_attention(self, enabled: bool = True):
-        """RoPE as the attention kernel loads q and k (True) or in the QKV GEMM's epilogue (False, the default)."""
+        """RoPE as the attention kernel loads q and k (True), or where use_separate_rope says (False, the default:
+        in the QKV GEMM's epilogue or a kernel of its own after it)."""
         for layer in self.layers:
             layer.attention.rope_in_qkv_gemm = not enabled
 
@@ -484,7 +485,7 @@ def shape_problem(config: ModelConfig, batch_size: int, seq_len: int, gemm_dtype
     compute in gemm_dtype (one line that names the sizes to change), or None when they can. Each rule is asked
     of the kernel module that enforces it: flash attention (head dims, 32-bit offsets, grid), the fused norms
     (row width), the QKV + RoPE GEMM (head dims, weight size, column tiles of whole heads, row blocks) or the
-    separate RoPE kernel (row blocks), whichever runs (rope_form "gemm", "separate" or "attention", the last
+    separate RoPE kernel (head blocks), whichever runs (rope_form "gemm", "separate" or "attention", the last
     --rope-in-attention; None: as the size rule picks), and the feed-forward GEMMs (weight size, row blocks; unless
     --separate-swiglu; swiglu_in_gemms None: where the size rule keeps them), so that a bad size is reported before
     anything is built instead of as a traceback from inside a kernel launch."""
@@ -526,7 +527,7 @@ def rope_form_of_args(args, config: ModelConfig, train) -> str:
     """Where this run rotates q and k (fused_layers.rope_form_of): as a flag says, or else as the run's size decides
     (the layers decide the same way from the batch they get)."""
     return rope_form_of(getattr(args, "rope_in_attention", False), getattr(args, "separate_rope", None),
-                           train.batch_size * train.seq_len, config.hidden_dim)
+                        train.batch_size * train.seq_len, config.hidden_dim)
 
 
 def separate_swiglu_of_args(args, config: ModelConfig, train) -> bool:
@@ -577,8 +578,8 @@ ROPE_DESCRIPTIONS = {"attention": "in the attention kernel, on load",
 def describe_rope(args) -> str:
     """Where this run rotates q and k (the header's RoPE line)."""
     chosen_by_size = not args.rope_in_attention and getattr(args, "separate_rope", None) is None
-    # Only a size decides needs the run's configuration (a caller may describe flags without one).
-    # (A form a flag chose does not depend on the size: rows and width are then not looked at.)
+    # Only a choice by size needs the run's configuration (a caller may describe flags without one); a form that
+    # a flag chose does not depend on the size, so rows and width are then not looked at.
     form = rope_form_of_args(args, *resolve_configs(args)) if chosen_by_size else rope_form_of(
         args.rope_in_attention, args.separate_rope, rows=0, hidden_dim=0)
     return ROPE_DESCRIPTIONS[form] + (" (the faster form at this size)" if chosen_by_size else "")
@@ -593,7 +594,7 @@ def describe(args) -> dict:
         step += " (in Triton's CPU interpreter: correct but slow)"
     rope = describe_rope(args)
     chosen_by_size = getattr(args, "separate_swiglu", None) is None
-    # Only a size decides needs the run's configuration (a caller may describe flags without one).
+    # Only a choice by size needs the run's configuration (a caller may describe flags without one).
     separate = separate_swiglu_of_args(args, *resolve_configs(args)) if chosen_by_size else args.separate_swiglu
     swiglu = ("a kernel of its own each way, between vendor GEMMs" if separate
               else "in the feed-forward GEMMs' epilogues")

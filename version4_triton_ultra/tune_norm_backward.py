@@ -15,9 +15,9 @@ candidate, replayed in interleaved rounds (median of 5, microseconds per launch)
 kernel takes 15-120 us, and a Python launch of it (allocations, argument packing) can take longer, so a per-call
 timer measures the host; that is why an earlier do_bench figure of ~135 us at 8,192 x 512 was far from the
 kernel's ~30 us. The 20 launches read the same inputs, so at small row counts part of them stays in the L2 cache,
-as in the training step, where each norm reads what the kernel before it has just written. `--in-step PRESET` settles it: version 4's graph-captured step
-at that preset (profile_graphed_step.build_step), once under the rules and once under each of the 2 fastest
-candidates, timed in interleaved rounds.
+as in the training step, where each norm reads what the kernel before it has just written. `--in-step PRESET`
+settles it: version 4's graph-captured step at that preset (profile_graphed_step.build_step), once under the rules
+and once under each of the 2 fastest candidates, timed in interleaved rounds.
 
 Every candidate is checked against float64: grad_h and the weight gradient (its float32 sum of the rows'
 contributions) to a relative error below 1e-5, the bfloat16 copy of grad_h below 2e-2, else the row says WRONG.

@@ -6,8 +6,9 @@
 
 rotate_qk_ reads q and k of the packed qkv [N, 3D] once and writes them once: a streaming kernel, whose goal is
 the memory bandwidth. Its launch (kernels/qk_rotation.py: _launch_config) is rows per program, heads per program
-and warps. Each candidate here is ROWS,HEADS,WARPS (powers of two; HEADS at most the q and k heads there are) and
-replaces that rule for the kernel's whole grid. The first row of the table is the rule's own launch.
+and warps. Each candidate here is ROWS,HEADS,WARPS (powers of two; HEADS at most the q and k heads of a row,
+rounded up to a power of two) and replaces that rule for the kernel's whole grid. The first row of the table is
+the rule's own launch.
 
 How it times: as tune_norm_backward.py (tinytransformer/kernel_bench/graph_timing.py): one CUDA/HIP graph of 20
 back-to-back launches per candidate, replayed in interleaved rounds (median of 5, microseconds per launch). The
@@ -104,8 +105,8 @@ def parse_args(argv):
 
 def buffer_count(bytes_read: int) -> int:
     """How many qkv buffers the graph's launches take turns on: enough that they hold three times the L2 cache,
-    so that a launch reads what the cache no longer holds (the first time of an earlier version, the timings of
-    one buffer rotated over and over came out above the H200's data-sheet bandwidth at the medium preset)."""
+    so that a launch reads what the cache no longer holds. (One buffer rotated over and over stays partly in the
+    cache: at the medium preset its timings came out above an H200's data-sheet bandwidth.)"""
     return max(2, math.ceil(3 * l2_cache_bytes(torch.device("cuda")) / bytes_read))
 
 

@@ -345,14 +345,20 @@ def accumulate_matmul(grad_weight, a, b):
     In place, in the GEMM's epilogue (beta = 1), for float32 a and b and, on a GPU, for 16-bit ones through
     torch.addmm's float32 output (where this torch build has it). Otherwise the float32 product is added by an
     element-wise kernel of its own, which reads two [M, N] float32 arrays and writes one: at the medium preset's
-    head (32000 x 1024) an 89 us kernel a step on an H200, the profile's largest "other" entry."""
+    head (32000 x 1024) an 89 us kernel a step on an H200."""
     if grad_weight is None:
         return matmul_to_float32(a, b)
+    if grad_weight.dtype != torch.float32 or grad_weight.shape != (a.shape[0], b.shape[1]):
+        # Checked here, not left to torch: an error inside the try below would switch the one-GEMM path off.
+        raise ValueError(f"grad_weight must be float32 [{a.shape[0]}, {b.shape[1]}]; got {grad_weight.dtype} "
+                         f"{tuple(grad_weight.shape)}")
     if a.dtype == torch.float32:
         return grad_weight.addmm_(a, b)  # in place, no temporary
     if a.is_cuda and _FLOAT32_OUTPUT_ADDMM["supported"]:
         try:
             return torch.addmm(grad_weight, a, b, out_dtype=torch.float32, out=grad_weight)
+        except torch.cuda.OutOfMemoryError:   # not a missing feature: the caller sees it
+            raise
         except (RuntimeError, TypeError):  # an older torch, or a backend without the float32-output GEMM
             _FLOAT32_OUTPUT_ADDMM["supported"] = False
     return grad_weight.add_(matmul_to_float32(a, b))

@@ -15,18 +15,19 @@ product, the result rounded once to qkv's dtype.
 A program rotates BLOCK_M rows x HEADS heads. It loads each head as its two halves (columns j and j + Dh/2 are
 the pairs rotate_half mixes), so no element is shuffled in registers, and reads the cos and sin tables once per
 row as [BLOCK_M, Dh/2] halves broadcast over its heads. Row offsets are int64 (N x 3D passes 2**31 at large
-batches), and the row blocks run on the grid's first axis, so the number of rows has no limit of its own.
+batches), and the row blocks run on the grid's first axis, so on NVIDIA GPUs the number of rows has no limit of
+its own (on AMD the row blocks x threads of a launch must fit 32 bits: about 16.8M rows).
 """
 import torch
 import triton
 import triton.language as tl
 
-from tinytransformer.triton_support import (MAX_GRID_SECOND_AXIS, interpreter_active, interpreter_block,
-                                            small_interpreter_blocks)
+from tinytransformer.triton_support import (MAX_GRID_SECOND_AXIS, interpreter_active, interpreter_block, is_rocm,
+                                            small_interpreter_blocks, threads_per_warp)
 # The head dims are the attention kernels' (qkv is their input), and the cos / sin tables are read as the QKV
 # GEMM's epilogue reads them: one definition of each in version 4.
 from version4_triton_ultra.kernels.flash_attention import SUPPORTED_HEAD_DIMS
-from version4_triton_ultra.kernels.qkv_rope_gemm import head_dim_problem, rope_tables
+from version4_triton_ultra.kernels.qkv_rope_gemm import checked_rope_tables, head_dim_problem
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -66,8 +67,9 @@ def _rotate_qk_kernel(
 def _launch_config(n_rows: int, rotated_heads: int, head_dim: int) -> dict:
     """Rows and heads per program. On a GPU: every q and k head of a row up to 1,024 columns, rows to make 2,048
     elements a program, 8 warps. From tune_qk_rotation.py on an H200 (the small, medium and large presets'
-    shapes, bfloat16, and medium in float32; benchmarks/results/kernel_time/h200_rotation_launch_*.json): the
-    fastest launch or within 2% of it at each, where 8,192-element programs of 4 warps had taken 20-35% longer.
+    shapes, bfloat16, and medium in float32; benchmarks/results/kernel_time/h200_rotation_launch.json): the
+    fastest launch or within 2% of it at each, where 8,192-element programs of 4 warps had taken 25-33% longer in
+    bfloat16 (6% in float32).
     Nothing here depends on the warp's width (32 on NVIDIA, 64 on AMD: there 4 elements a thread)."""
     heads = triton.next_power_of_2(rotated_heads)
     if interpreter_active():
@@ -82,11 +84,19 @@ def _grid(n_rows: int, rotated_heads: int, config: dict) -> tuple:
     return triton.cdiv(n_rows, config["BLOCK_M"]), triton.cdiv(rotated_heads, config["HEADS"])
 
 
+# On AMD GPUs a launch's programs x threads along one axis must fit 32 bits (the HIP dispatch counts work items).
+MAX_WORK_ITEMS_PER_AXIS = 2**32 - 1
+
+
 def _grid_problem(n_rows: int, rotated_heads: int, config: dict) -> str | None:
-    head_blocks = _grid(n_rows, rotated_heads, config)[1]
+    row_blocks, head_blocks = _grid(n_rows, rotated_heads, config)
     if head_blocks > MAX_GRID_SECOND_AXIS:
         return (f"{rotated_heads} q and k heads need {head_blocks} blocks of {config['HEADS']}; the grid allows "
                 f"{MAX_GRID_SECOND_AXIS}: use fewer heads")
+    threads = config["num_warps"] * threads_per_warp()
+    if is_rocm() and row_blocks * threads > MAX_WORK_ITEMS_PER_AXIS:
+        return (f"{n_rows} rows need {row_blocks} row blocks of {threads} threads, more than a HIP launch counts "
+                f"(2**32 work items): use a smaller batch x sequence")
     return None
 
 
@@ -115,7 +125,7 @@ def rotate_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_len:
         raise ValueError(problem)
     if width % 3 or (width // 3) % head_dim:
         raise ValueError(f"qkv must be [N, 3D] with D a multiple of head_dim {head_dim}; got {list(qkv.shape)}")
-    cos, sin = rope_tables(cos, sin, n_rows, seq_len, head_dim, qkv.device)
+    cos, sin = checked_rope_tables(cos, sin, n_rows, seq_len, head_dim, qkv.device)
     if n_rows == 0:
         return qkv
     dim = width // 3

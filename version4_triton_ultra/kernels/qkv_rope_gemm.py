@@ -154,8 +154,8 @@ def _weight_problem(width: int, n_in: int) -> str | None:
     return None
 
 
-def rope_tables(cos: torch.Tensor, sin: torch.Tensor, n_rows: int, seq_len: int, head_dim: int,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def checked_rope_tables(cos: torch.Tensor, sin: torch.Tensor, n_rows: int, seq_len: int, head_dim: int,
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The cos and sin tables as the kernels read them: their first seq_len positions, float32, contiguous, on
     device. Raises ValueError unless n_rows are whole sequences of seq_len and both tables are [>= seq_len,
     head_dim]. Both RoPE kernels (this GEMM and qk_rotation.rotate_qk_) take their tables through here."""
@@ -196,7 +196,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
     if weight.shape[1] != n_in or width % 3 or (width // 3) % head_dim:
         raise ValueError(f"weight must be [3D, {n_in}] with D a multiple of head_dim {head_dim}; "
                          f"got {list(weight.shape)}")
-    cos, sin = rope_tables(cos, sin, n_rows, seq_len, head_dim, x.device)
+    cos, sin = checked_rope_tables(cos, sin, n_rows, seq_len, head_dim, x.device)
     dim = width // 3
     config = _launch_config(x.dtype, n_rows, head_dim, width, n_in)
     if not interpreter_active():

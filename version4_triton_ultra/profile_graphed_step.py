@@ -127,13 +127,12 @@ def model_config(args) -> ModelConfig:
 def shape_problem(args) -> str | None:
     """Version 4's shape rules (tiny_llama_v4.shape_problem) for the model at this batch and sequence."""
     from version4_triton_ultra import tiny_llama_v4 as v4
-    from version4_triton_ultra.fused_layers import rope_form_of, uses_separate_swiglu
-    gemm_dtype = torch.bfloat16 if args.use_amp else torch.float32
-    config, rows = model_config(args), args.batch_size * args.seq_len
-    rope_form = rope_form_of(args.rope_in_attention, args.separate_rope, rows, config.hidden_dim)
-    separate_swiglu = uses_separate_swiglu(args.separate_swiglu, rows, config.hidden_dim, config.intermediate_size)
-    return v4.shape_problem(config, args.batch_size, args.seq_len, gemm_dtype, rope_form=rope_form,
-                            swiglu_in_gemms=not separate_swiglu)
+    return v4.shape_problem_of_run(args, model_config(args), train_config(args))
+
+
+def train_config(args) -> TrainConfig:
+    """The batch, sequence and precision of the step: bfloat16 autocast with --use-amp, else float32."""
+    return TrainConfig(batch_size=args.batch_size, seq_len=args.seq_len, use_amp=args.use_amp, amp_dtype="bfloat16")
 
 
 def build_step(args):
@@ -141,9 +140,7 @@ def build_step(args):
     from version4_triton_ultra import graphed_step
     from version4_triton_ultra import tiny_llama_v4 as v4
     set_tf32(True)    # the training script's default (--tf32)
-    config = model_config(args)
-    train = TrainConfig(batch_size=args.batch_size, seq_len=args.seq_len, use_amp=args.use_amp,
-                        amp_dtype="bfloat16")
+    config, train = model_config(args), train_config(args)
     model = v4.TinyLlama(config)
     model.capturable_optimizer = True
     model.use_triton_adamw = not args.torch_adamw

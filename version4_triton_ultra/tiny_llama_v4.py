@@ -516,7 +516,12 @@ def shape_problem(config: ModelConfig, batch_size: int, seq_len: int, gemm_dtype
 def shape_problem_of_args(args) -> str | None:
     """shape_problem for the model, batch and precision that this version's parsed command-line arguments
     describe (flags, --config and --preset resolved as the harness resolves them)."""
-    config, train = resolve_configs(args)
+    return shape_problem_of_run(args, *resolve_configs(args))
+
+
+def shape_problem_of_run(args, config: ModelConfig, train) -> str | None:
+    """shape_problem for this model and training configuration, with the RoPE and SwiGLU forms that args' switches
+    (or, without them, the size rules) choose; also profile_graphed_step.py's check."""
     gemm_dtype = getattr(torch, train.amp_dtype) if train.use_amp else torch.float32
     return shape_problem(config, train.batch_size, train.seq_len, gemm_dtype,
                          rope_form=rope_form_of_args(args, config, train),

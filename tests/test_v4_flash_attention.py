@@ -19,6 +19,7 @@ from .attention_checks import (TF32_TOLERANCE, TOLERANCE, check_against_referenc
                                check_non_contiguous_inputs_and_broadcast_grad, check_packed_against_reference,
                                check_packed_equals_unpacked, fixed_tiles, pack_heads, recording_new_buffer,
                                reference_attention, relative_error, rope_tables, rotate_half, unpack_reference)
+from .script_checks import assert_refused_in_one_line
 
 pytestmark = pytest.mark.usefixtures("small_interpreter_blocks")
 
@@ -313,3 +314,10 @@ def test_the_tile_tuner_needs_a_gpu_and_good_flags(flags):
     script = Path(__file__).resolve().parent.parent / "version4_triton_ultra" / "tune_attention_tiles.py"
     result = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "error:" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("flags", [[], ["--preset", "huge"], ["--dtype", "float32"]])
+def test_the_attention_backend_comparison_needs_a_gpu_and_good_flags(flags):
+    """compare_attention_backends.py: one line and exit 2, before anything is built."""
+    assert_refused_in_one_line("compare_attention_backends.py", flags)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from version4_triton_ultra.kernels import linear_cross_entropy as lce
 
+from .script_checks import assert_refused_in_one_line
 # poisoned_outputs: this file's autouse fixture (every allocated output starts as NaN)
 from .v4_kernel_checks import (  # noqa: F401
     as_float64_leaf, assert_matches, leaf, poisoned_outputs, random, relative_error)
@@ -81,6 +82,42 @@ def test_linear_cross_entropy_loops_over_vocab_blocks(monkeypatch, device):
     """Force 8 blocks over V=1003 (the last one partial) to exercise the online max and sum."""
     monkeypatch.setattr(lce, "MAX_BLOCK_V", 128)
     check_head(21, 32, 1003, torch.float32, device, seed=61, chunk_size=8)
+
+
+@pytest.mark.parametrize("launch", [(64, 1), (256, 2), (2048, 4)], ids=["64 a block", "256, 2 warps", "one block"])
+def test_every_launch_of_the_loss_kernel_gives_the_loss_and_gradient(launch, device):
+    """Blocks shorter than the row (the two-pass loop) or holding all of it, other warps: the same loss and
+    gradient within float32 rounding (the sums run in another order). What tune_cross_entropy.py's check relies on."""
+    logits = random((9, 1003), torch.float32, device, seed=81, scale=3.0)
+    targets = torch.tensor([0, 5, 1002, -100, 17, 400, 999, 3, 64], device=device)
+    want_grad, want_loss = logits.clone(), torch.empty(9, device=device)
+    lce.cross_entropy_rows_(want_grad, targets, want_loss)
+    got_grad, got_loss = logits.clone(), torch.empty(9, device=device)
+    lce.cross_entropy_rows_(got_grad, targets, got_loss, launch=launch)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-6, atol=1e-7)
+    assert got_loss[3] == 0 and not got_grad[3].any()   # the ignored row
+
+
+def test_the_loss_kernels_launch_rule():
+    assert lce.cross_entropy_launch(32000)[0] == lce.MAX_BLOCK_V   # a long row loops over blocks
+    assert lce.cross_entropy_launch(1000)[0] == 1024               # a short one is one block
+    assert all(1 <= lce.cross_entropy_launch(v)[1] <= lce.MAX_WARPS for v in (10, 1000, 4096, 32000, 128256))
+
+
+def test_the_loss_tuners_candidates():
+    from version4_triton_ultra import tune_cross_entropy
+    assert tune_cross_entropy.candidate("4096,8") == (4096, 8)
+    with pytest.raises(ValueError, match="power of two"):
+        tune_cross_entropy.candidate("4000,8")
+    assert all(block <= 4096 for block, _ in tune_cross_entropy.default_candidates(4096))
+    assert {block for block, _ in tune_cross_entropy.default_candidates(32000)} == {2048, 4096, 8192}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("flags", [[], ["--candidates", "4096"], ["--dtype", "float64"]])
+def test_the_loss_tuner_needs_a_gpu_and_good_flags(flags):
+    assert_refused_in_one_line("tune_cross_entropy.py", flags)
 
 
 def test_linear_cross_entropy_large_logits_are_stable(device):

@@ -12,6 +12,7 @@ from tinytransformer import triton_support
 from version4_triton_ultra.kernels import qk_rotation as qk
 from version4_triton_ultra.kernels import qkv_rope_gemm as qr
 
+from .script_checks import assert_refused_in_one_line
 from .v4_kernel_checks import assert_matches, random, rope_reference
 
 # The kernels' smallest blocks in Triton's interpreter (the fixture in conftest.py): small problems span several
@@ -243,10 +244,4 @@ def test_the_rotation_tuners_candidates_fit_the_shape(rotation_tuner):
 @pytest.mark.parametrize("flags", [[], ["--candidates", "4,4"], ["--candidates", "4,3,2"], ["--preset", "huge"],
                                    ["--preset", "tiny", "--candidates", "1,64,4"], ["--dtype", "float64"]])
 def test_the_rotation_tuner_needs_a_gpu_and_good_flags(flags):
-    import subprocess
-    import sys
-    from pathlib import Path
-    script = Path(__file__).resolve().parent.parent / "version4_triton_ultra" / "tune_qk_rotation.py"
-    result = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith("tune_qk_rotation.py: error:"), result.stderr
+    assert_refused_in_one_line("tune_qk_rotation.py", flags)

@@ -41,6 +41,7 @@ enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GP
 import triton  # noqa: E402
 
 from tinytransformer.device import peak_bandwidth_tbs, software_and_gpu  # noqa: E402
+from tinytransformer.kernel_bench.candidates import candidates_from_flags, powers_of_two  # noqa: E402
 from tinytransformer.kernel_bench.graph_timing import captured_launches, graph_ms, time_interleaved  # noqa: E402
 from tinytransformer.kernel_bench.timing import l2_cache_bytes  # noqa: E402
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
@@ -67,10 +68,7 @@ def default_candidates(rotated_heads: int, head_dim: int) -> list:
 
 
 def candidate(text: str) -> tuple:
-    parts = text.split(",")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts):
-        raise ValueError(f"expected ROWS,HEADS,WARPS, each a power of two (e.g. 16,4,4), got {text!r}")
-    return tuple(int(p) for p in parts)
+    return powers_of_two(text, "ROWS,HEADS,WARPS", "16,4,4")
 
 
 def parse_args(argv):
@@ -88,11 +86,8 @@ def parse_args(argv):
     config = ModelConfig(**model)
     args.rows, args.dim, args.head_dim = train["batch_size"] * train["seq_len"], config.hidden_dim, config.head_dim
     args.seq_len, args.rotated_heads = train["seq_len"], 2 * config.hidden_dim // config.head_dim
-    try:
-        args.candidates = ([candidate(c) for c in args.candidates] if args.candidates
-                           else default_candidates(args.rotated_heads, args.head_dim))
-    except ValueError as why:
-        parser.error(f"--candidates: {why}")
+    args.candidates = candidates_from_flags(parser, args.candidates, candidate,
+                                            default_candidates(args.rotated_heads, args.head_dim))
     too_many = [c for c in args.candidates if c[1] > triton.next_power_of_2(args.rotated_heads)]
     if too_many:
         parser.error(f"--candidates: {too_many[0][1]} heads a program, and a row has {args.rotated_heads} q and k "

@@ -45,11 +45,13 @@ from tinytransformer.triton_support import interpreter_active, small_interpreter
 from version4_triton_ultra.kernels.add_rmsnorm import is_last_to_arrive
 
 # Elements per program, and warps: 4 elements per thread on NVIDIA (32-thread warps), 2 on AMD CDNA (64-thread
-# wavefronts; not tuned there). On an H100, for version 4's 3.1 M parameters, 36.7 us
-# per step with 2.9 M bfloat16 copies written (BLOCK 256 to 1024: 36.6 to 37.3 us; in an earlier sweep 2048:
-# 40.8 us, 4096: 48.3 us at best); torch's fused AdamW 48.2 us, plus 13.4 us for its separate copy.
-BLOCK = 1024
-NUM_WARPS = 8
+# wavefronts; not tuned there). Small programs stream best: on an H200, the kernel alone for every parameter group
+# of the presets (tune_adamw.py; benchmarks/results/kernel_time/h200_adamw_launch.json) took 5-9% less time with
+# 512 elements and 4 warps than with 1,024 and 8 (the choice made on an H100 for the seed model alone, where 256
+# to 1,024 elements timed within 2%), at 76-79% of the GPU's bandwidth from the medium preset up; programs of
+# 256 or 2,048 elements, or 8 elements a thread, were slower at every size.
+BLOCK = 512
+NUM_WARPS = 4
 # Elements per program in Triton's CPU interpreter, where a CPU run pays per program (kernel tests keep BLOCK, so
 # that their parameters span several programs): about one program per parameter of a small model.
 INTERPRETER_BLOCK = 65536
@@ -125,21 +127,27 @@ class TritonAdamW(torch.optim.Optimizer):
     `sixteen_bit_copies` is a dict {parameter: bfloat16 or float16 tensor of its shape} that the model fills
     (tiny_llama_v4.TinyLlama.refresh_16bit_weights) and may change between steps; after every step each copy
     in it equals its updated weight, rounded. Parameters and gradients must be contiguous float32 tensors on
-    the GPU (or on the CPU under Triton's interpreter).
+    the GPU (or on the CPU under Triton's interpreter). `launch`: (elements a program, warps), both powers of
+    two, for a tuner to time; None: BLOCK and NUM_WARPS. The update is the same under any launch, bit for bit.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 sixteen_bit_copies=None):
+                 sixteen_bit_copies=None, launch=None):
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"betas must be in [0, 1): {betas}")
         if isinstance(lr, torch.Tensor) and (lr.dim() != 0 or lr.dtype != torch.float32):
             raise ValueError("a tensor lr must be a 0-dim float32 tensor")
         if not isinstance(lr, torch.Tensor) and lr < 0.0:
             raise ValueError(f"lr must be >= 0: {lr}")
+        if launch is not None and (len(launch) != 2 or not all(isinstance(n, int) and n > 0 and n & (n - 1) == 0
+                                                               for n in launch)):
+            raise ValueError(f"launch must be (elements a program, warps), powers of two: {launch}")
         # capturable: load_state_dict then keeps `step` on the parameter's device (torch's convention), and the
         # trainer gives this group a tensor learning rate when the schedule varies (make_learning_rate_a_tensor).
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True))
         self.sixteen_bit_copies = {} if sixteen_bit_copies is None else sixteen_bit_copies
+        # (elements a program, warps): BLOCK and NUM_WARPS unless a tuner (tune_adamw.py) times another launch.
+        self.block, self.num_warps = (BLOCK, NUM_WARPS) if launch is None else launch
         self._launches = {}   # group index -> (address key, launch tables) of the last step
         self._pending = {}    # group index -> (address key, addresses) recorded under graph capture
 
@@ -163,7 +171,7 @@ class TritonAdamW(torch.optim.Optimizer):
                 continue
             states = [self._state_of(p) for p in params]
             tables = self._tables(index, params, states)
-            self._launch(group, tables)
+            self._launch(group, tables, self.num_warps)
 
     def finish_capture(self) -> None:
         """After a CUDA/HIP graph captured step(): write the addresses the capture recorded (see the module
@@ -219,14 +227,14 @@ class TritonAdamW(torch.optim.Optimizer):
                 raise RuntimeError("TritonAdamW: run one eager step with the same parameters before capturing")
             self._pending[index] = (key, addresses)
             return cached[1]
-        tables = _block_tables([p.numel() for p in params], device)
+        tables = _block_tables([p.numel() for p in params], device, self.block)
         tables["addresses"] = addresses.to(device)
         tables["copy_dtype"] = _TRITON_DTYPES[copy_dtypes.pop()] if copy_dtypes else tl.bfloat16
         self._launches[index] = (key, tables)
         return tables
 
     @staticmethod
-    def _launch(group, tables):
+    def _launch(group, tables, num_warps):
         lr = group["lr"]
         lr_in_memory = isinstance(lr, torch.Tensor)
         if lr_in_memory and (lr.device != tables["numel"].device or lr.dtype != torch.float32):
@@ -238,13 +246,14 @@ class TritonAdamW(torch.optim.Optimizer):
             0.0 if lr_in_memory else float(lr), lr if lr_in_memory else tables["numel"],
             float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
             LR_IN_MEMORY=lr_in_memory, COPY_DTYPE=tables["copy_dtype"], BLOCK=tables["block"],
-            num_warps=NUM_WARPS)
+            num_warps=num_warps)
 
 
-def _block_tables(numels, device) -> dict:
-    """Which tensor and which first element each program takes: ceil(numel / block) programs per tensor, with
-    block = BLOCK (INTERPRETER_BLOCK in a CPU run of the interpreter)."""
-    block = INTERPRETER_BLOCK if interpreter_active() and not small_interpreter_blocks() else BLOCK
+def _block_tables(numels, device, block) -> dict:
+    """Which tensor and which first element each program takes: ceil(numel / block) programs per tensor
+    (INTERPRETER_BLOCK elements a program in a CPU run of the interpreter instead)."""
+    if interpreter_active() and not small_interpreter_blocks():
+        block = INTERPRETER_BLOCK
     block_tensor, block_start = [], []
     for tensor, numel in enumerate(numels):
         for start in range(0, numel, block):

@@ -36,6 +36,12 @@ from tinytransformer.triton_support import interpreter_active, num_warps_for, sm
 
 # Largest block of vocabulary entries one program handles at a time (the row loops over blocks this long).
 MAX_BLOCK_V = 4096
+# At most this many warps a row. A block of 4,096 entries with 16 warps (8 entries a thread) streamed slower than
+# with 8 (16 a thread) on an H200, the kernel alone (tune_cross_entropy.py; benchmarks/results/kernel_time/
+# h200_cross_entropy_launch.json): 4,160 rows of V = 32,000 (a chunk of the medium and large presets) 261 -> 226
+# us, the small preset's 4,096 x 4,096 33.0 -> 29.3 us. (Smaller blocks, one 32,768-entry block held in
+# registers, and 4 warps were slower at V = 32,000.)
+MAX_WARPS = 8
 # Default chunk: this many bytes of logits. Each chunk after the first also adds a [V, D] float32 matmul
 # result into grad_weight. Where the GEMM cannot add it itself (accumulate_matmul: float32 operands use addmm_,
 # 16-bit ones on a GPU torch.addmm's float32 output; the rest, and the runs measured here, a separate add) that
@@ -178,19 +184,27 @@ def _new_output(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def cross_entropy_rows_(logits, targets, row_loss, ignore_index=-100, compute_grad=True):
+def cross_entropy_rows_(logits, targets, row_loss, ignore_index=-100, compute_grad=True, launch=None):
     """Per-row cross-entropy of `logits` [rows, V] (contiguous) into `row_loss` [rows] float32.
 
     With compute_grad, `logits` is overwritten in place by softmax - onehot(target) (zeros on ignored rows).
+    launch: (BLOCK_V, warps), powers of two, for a tuner to time; None: the rule (cross_entropy_launch).
     """
     n_rows, vocab_size = logits.shape
     if n_rows == 0:
         return
-    block_v = min(triton.next_power_of_2(vocab_size), MAX_BLOCK_V)
+    block_v, num_warps = cross_entropy_launch(vocab_size) if launch is None else launch
     _cross_entropy_rows_kernel[(n_rows,)](
         logits, targets, row_loss, vocab_size, ignore_index,
         COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, ONE_BLOCK=vocab_size <= block_v,
-        num_warps=num_warps_for(block_v))
+        num_warps=num_warps)
+
+
+def cross_entropy_launch(vocab_size):
+    """(BLOCK_V, warps) of the loss kernel for rows of vocab_size logits: the whole row in one block up to
+    MAX_BLOCK_V entries, a few entries a thread, at most MAX_WARPS warps."""
+    block_v = min(triton.next_power_of_2(vocab_size), MAX_BLOCK_V)
+    return block_v, num_warps_for(block_v, max_warps=MAX_WARPS)
 
 
 def mean_loss(row_loss, targets, ignore_index=-100):

@@ -52,6 +52,14 @@ from version4_triton_ultra.kernels.add_rmsnorm import is_last_to_arrive
 # 256 or 2,048 elements, or 8 elements a thread, were slower at every size.
 BLOCK = 512
 NUM_WARPS = 4
+# A parameter group of fewer than SMALL_PROGRAMS_FROM elements keeps the launch chosen before (1,024 elements, 8
+# warps): in the graph-captured step of the seed model (groups of under a million parameters, most updated on the
+# second stream beside the backward pass) the small programs made the bfloat16 step slower on an H200, 0.406 ->
+# 0.413 ms in two separate runs of interleaved rounds, although the kernel alone was faster (30.1 -> 27.3 us). The
+# small preset's step (layer groups of 3.2 M) timed the same under both (2.03 ms); the medium preset's (layer groups
+# of 12.8 M) 22.56 -> 22.44 ms with the small programs.
+SMALL_GROUP_LAUNCH = (1024, 8)
+SMALL_PROGRAMS_FROM = 2 ** 22
 # Elements per program in Triton's CPU interpreter, where a CPU run pays per program (kernel tests keep BLOCK, so
 # that their parameters span several programs): about one program per parameter of a small model.
 INTERPRETER_BLOCK = 65536
@@ -128,7 +136,8 @@ class TritonAdamW(torch.optim.Optimizer):
     (tiny_llama_v4.TinyLlama.refresh_16bit_weights) and may change between steps; after every step each copy
     in it equals its updated weight, rounded. Parameters and gradients must be contiguous float32 tensors on
     the GPU (or on the CPU under Triton's interpreter). `launch`: (elements a program, warps), both powers of
-    two, for a tuner to time; None: BLOCK and NUM_WARPS. The update is the same under any launch, bit for bit.
+    two, for a tuner to time; None: launch_for each group's size. The update is the same under any launch, bit
+    for bit.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
@@ -146,8 +155,8 @@ class TritonAdamW(torch.optim.Optimizer):
         # trainer gives this group a tensor learning rate when the schedule varies (make_learning_rate_a_tensor).
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True))
         self.sixteen_bit_copies = {} if sixteen_bit_copies is None else sixteen_bit_copies
-        # (elements a program, warps): BLOCK and NUM_WARPS unless a tuner (tune_adamw.py) times another launch.
-        self.block, self.num_warps = (BLOCK, NUM_WARPS) if launch is None else launch
+        # (elements a program, warps) of every launch when a tuner (tune_adamw.py) times one; None: by group size.
+        self.launch = launch
         self._launches = {}   # group index -> (address key, launch tables) of the last step
         self._pending = {}    # group index -> (address key, addresses) recorded under graph capture
 
@@ -171,7 +180,7 @@ class TritonAdamW(torch.optim.Optimizer):
                 continue
             states = [self._state_of(p) for p in params]
             tables = self._tables(index, params, states)
-            self._launch(group, tables, self.num_warps)
+            self._launch(group, tables)
 
     def finish_capture(self) -> None:
         """After a CUDA/HIP graph captured step(): write the addresses the capture recorded (see the module
@@ -227,14 +236,16 @@ class TritonAdamW(torch.optim.Optimizer):
                 raise RuntimeError("TritonAdamW: run one eager step with the same parameters before capturing")
             self._pending[index] = (key, addresses)
             return cached[1]
-        tables = _block_tables([p.numel() for p in params], device, self.block)
+        block, num_warps = self.launch or launch_for(sum(p.numel() for p in params))
+        tables = _block_tables([p.numel() for p in params], device, block)
+        tables["num_warps"] = num_warps
         tables["addresses"] = addresses.to(device)
         tables["copy_dtype"] = _TRITON_DTYPES[copy_dtypes.pop()] if copy_dtypes else tl.bfloat16
         self._launches[index] = (key, tables)
         return tables
 
     @staticmethod
-    def _launch(group, tables, num_warps):
+    def _launch(group, tables):
         lr = group["lr"]
         lr_in_memory = isinstance(lr, torch.Tensor)
         if lr_in_memory and (lr.device != tables["numel"].device or lr.dtype != torch.float32):
@@ -246,7 +257,12 @@ class TritonAdamW(torch.optim.Optimizer):
             0.0 if lr_in_memory else float(lr), lr if lr_in_memory else tables["numel"],
             float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
             LR_IN_MEMORY=lr_in_memory, COPY_DTYPE=tables["copy_dtype"], BLOCK=tables["block"],
-            num_warps=num_warps)
+            num_warps=tables["num_warps"])
+
+
+def launch_for(group_elements: int) -> tuple:
+    """(elements a program, warps) for a parameter group of this many elements (see BLOCK)."""
+    return (BLOCK, NUM_WARPS) if group_elements >= SMALL_PROGRAMS_FROM else SMALL_GROUP_LAUNCH
 
 
 def _block_tables(numels, device, block) -> dict:

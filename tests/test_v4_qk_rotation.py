@@ -197,6 +197,14 @@ def test_the_attention_layer_without_a_flag_follows_the_size_rule(threshold, sep
     assert calls == (["separate"] if separate else ["epilogue"])
 
 
+def test_the_rope_form_by_size_needs_the_size():
+    from version4_triton_ultra.fused_layers import rope_form_of
+    assert rope_form_of(True, None) == "attention" and rope_form_of(False, True) == "separate"
+    assert rope_form_of(False, False) == "gemm" and rope_form_of(False, None, 8192, 1024) == "separate"
+    with pytest.raises(ValueError, match="needs rows and hidden_dim"):
+        rope_form_of(False, None)
+
+
 @pytest.mark.parametrize("preset, form", [("tiny", "in the QKV GEMM's epilogue (the faster form at this size)"),
                                           ("small", "a kernel of its own, after a vendor QKV GEMM (the faster form")])
 def test_the_header_names_the_qkv_form_of_the_run(preset, form):

@@ -141,7 +141,7 @@ def test_matches_v1_on_gpu_at_a_long_odd_sequence(version):
 # method, and what it must have set in every layer.
 V4_SWITCHES = {
     "separate-swiglu": ("use_separate_swiglu", lambda layer: layer.feed_forward.separate_swiglu),
-    "rope-in-attention": ("use_rope_in_attention", lambda layer: not layer.attention.rope_in_qkv_gemm),
+    "rope-in-attention": ("use_rope_in_attention", lambda layer: layer.attention.rope_in_attention),
     "separate-rope": ("use_separate_rope", lambda layer: layer.attention.separate_rope),
 }
 

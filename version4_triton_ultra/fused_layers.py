@@ -62,13 +62,16 @@ def separate_rope_pays(rows: int, hidden_dim: int) -> bool:
     return rows * hidden_dim * 3 * hidden_dim >= SEPARATE_ROPE_FROM_MULTIPLY_ADDS
 
 
-def rope_form_of(rope_in_attention: bool, separate_rope: bool | None, rows: int, hidden_dim: int) -> str:
+def rope_form_of(rope_in_attention: bool, separate_rope: bool | None, rows: int | None = None,
+                 hidden_dim: int | None = None) -> str:
     """Where a layer rotates q and k, the one answer every caller asks: "attention" (--rope-in-attention: as the
     attention kernel loads them), "separate" (the vendor QKV GEMM, then a RoPE kernel) or "gemm" (the Triton QKV
     GEMM's epilogue). separate_rope True / False is --separate-rope / --rope-in-gemm; None: the faster form at
-    this size (separate_rope_pays)."""
+    this size (separate_rope_pays), which needs the rows and width of the layer's input."""
     if rope_in_attention:
         return "attention"
+    if separate_rope is None and (rows is None or hidden_dim is None):
+        raise ValueError("rope_form_of: the form by size needs rows and hidden_dim")
     separate = separate_rope_pays(rows, hidden_dim) if separate_rope is None else separate_rope
     return "separate" if separate else "gemm"
 

@@ -128,7 +128,7 @@ def gemm_input_dtype(device_type: str):
 class Attention(nn.Module):
     """Fused QKV GEMM with RoPE in its epilogue -> flash attention, on the GEMMs' [B, S, *] layout -> output GEMM.
 
-    With rope_in_qkv_gemm False (--rope-in-attention), the way version 4 first fused RoPE: a vendor QKV GEMM, and
+    With rope_in_attention (--rope-in-attention), the way version 4 first fused RoPE: a vendor QKV GEMM, and
     the attention kernel rotates q and k as it loads them. separate_rope: the vendor QKV GEMM, then a RoPE kernel of
     its own, the form the epilogue replaces, faster from about a billion multiply-adds in the QKV GEMM
     (separate_rope_pays): None (the default) chooses by the batch's size, True (--separate-rope) or False
@@ -143,15 +143,15 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.qkv_proj = Projection(d, 3 * d)   # rows: [q; k; v]
         self.o_proj = Projection(d, d)
-        self.rope_in_qkv_gemm = True
-        self.separate_rope = None   # with rope_in_qkv_gemm: None by size, True the vendor GEMM + a RoPE kernel
+        self.rope_in_attention = False
+        self.separate_rope = None   # without rope_in_attention: None by size, True the vendor GEMM + a RoPE kernel
 
     def forward(self, x, cos, sin):
         with profile_range("attention"):
             # qkv is [B, S, 3D]: per token the q heads, then the k heads, then the v heads. The kernels read each
             # head in place (row stride 3D) instead of transposing q, k, v into [B, H, S, Dh] first.
             dim = x.shape[-1]
-            form = rope_form_of(not self.rope_in_qkv_gemm, self.separate_rope, x.numel() // dim, dim)
+            form = rope_form_of(self.rope_in_attention, self.separate_rope, x.numel() // dim, dim)
             if form != "attention":   # qkv_proj's weight (and 16-bit copy, stream) in RotaryQKVAttention
                 out = RotaryQKVAttention.apply(x, self.qkv_proj.weight, self.qkv_proj.gemm_weight(x.device.type),
                                                cos, sin, self.num_heads, self.exact_float32,
@@ -390,7 +390,7 @@ class TinyLlama(nn.Module):
         """RoPE as the attention kernel loads q and k (True), or where use_separate_rope says (False, the default:
         in the QKV GEMM's epilogue or a kernel of its own after it)."""
         for layer in self.layers:
-            layer.attention.rope_in_qkv_gemm = not enabled
+            layer.attention.rope_in_attention = enabled
 
     def use_separate_rope(self, enabled: bool | None = True):
         """RoPE as a kernel of its own after the vendor QKV GEMM (True), in the Triton QKV GEMM's epilogue (False),
@@ -585,8 +585,8 @@ def describe_rope(args) -> str:
     chosen_by_size = not args.rope_in_attention and getattr(args, "separate_rope", None) is None
     # Only a choice by size needs the run's configuration (a caller may describe flags without one); a form that
     # a flag chose does not depend on the size, so rows and width are then not looked at.
-    form = rope_form_of_args(args, *resolve_configs(args)) if chosen_by_size else rope_form_of(
-        args.rope_in_attention, args.separate_rope, rows=0, hidden_dim=0)
+    form = (rope_form_of_args(args, *resolve_configs(args)) if chosen_by_size
+            else rope_form_of(args.rope_in_attention, args.separate_rope))
     return ROPE_DESCRIPTIONS[form] + (" (the faster form at this size)" if chosen_by_size else "")
 
 

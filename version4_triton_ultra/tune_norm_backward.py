@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from tinytransformer.cli import OneLineParser, positive_int  # noqa: E402
 from tinytransformer.config import ModelConfig, available_presets, preset_settings  # noqa: E402
+from tinytransformer.kernel_bench.candidates import candidates_from_flags  # noqa: E402
 from tinytransformer.kernel_bench.graph_timing import captured_launches, graph_ms, time_interleaved  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
 
@@ -73,10 +74,7 @@ def parse_args(argv):
     problem = norm.shape_problem(args.features)
     if problem:
         parser.error(problem)
-    try:
-        args.candidates = [candidate(c) for c in args.candidates] if args.candidates else CANDIDATES
-    except ValueError as why:
-        parser.error(f"--candidates: {why}")
+    args.candidates = candidates_from_flags(parser, args.candidates, candidate, CANDIDATES)
     block_d = triton.next_power_of_2(args.features)
     args.candidates = [c for c in args.candidates if c[0] * block_d <= MAX_TILE_ELEMENTS]
     if args.in_step:

@@ -1,8 +1,9 @@
 """The candidate launches a tuner of version 4 takes on its command line: "A,B,C", each a power of two.
 
 tune_qk_rotation.py (ROWS,HEADS,WARPS), tune_adamw.py (ELEMENTS,WARPS) and tune_cross_entropy.py (BLOCK_V,WARPS)
-read their --candidates with these two functions, so a bad one is refused the same way by each: one line naming
-the flag, exit status 2, before anything is built or compiled.
+read their --candidates with these two functions, and tune_norm_backward.py (whose candidates have a field that
+is not a power of two) with the second, so a bad one is refused the same way by each: one line naming the flag,
+exit status 2, before anything is built or compiled.
 """
 from __future__ import annotations
 

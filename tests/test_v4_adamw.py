@@ -16,7 +16,7 @@ from .v4_training import train_frozen_embedding
 # blocks. A test of the blocks a CPU run gets says so.
 pytestmark = pytest.mark.usefixtures("small_interpreter_blocks")
 
-# A parameter of several programs (BLOCK elements each) with a partial last one, a short one, a matrix.
+# A parameter of several programs (of either launch, kernels/adamw.py) with a partial last one, a short one, a matrix.
 SHAPES = [(adamw.BLOCK + 904,), (13,), (64, 48), (3, 5, 7)]
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 

@@ -39,7 +39,20 @@ def test_every_launch_gives_the_same_update(launch, device):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize("launch", [(500, 4), (512, 3), (512,)])
+def test_the_launch_follows_the_size_of_a_group(monkeypatch, device):
+    """Small programs from SMALL_PROGRAMS_FROM elements a group; in one optimizer each group gets its own."""
+    assert adamw.launch_for(adamw.SMALL_PROGRAMS_FROM) == (adamw.BLOCK, adamw.NUM_WARPS)
+    assert adamw.launch_for(adamw.SMALL_PROGRAMS_FROM - 1) == adamw.SMALL_GROUP_LAUNCH
+    monkeypatch.setattr(adamw, "SMALL_PROGRAMS_FROM", 1000)
+    big, small = (torch.nn.Parameter(torch.randn(n, device=device)) for n in (1500, 20))
+    optimizer = TritonAdamW([{"params": [big]}, {"params": [small]}], **HYPER)
+    big.grad, small.grad = torch.randn_like(big), torch.randn_like(small)
+    optimizer.step()
+    warps = [tables["num_warps"] for _, tables in optimizer._launches.values()]
+    assert warps == [adamw.NUM_WARPS, adamw.SMALL_GROUP_LAUNCH[1]]
+
+
+@pytest.mark.parametrize("launch", [(500, 4), (512, 3), (512,), 512])
 def test_refuses_a_launch_that_is_not_two_powers_of_two(launch, device):
     with pytest.raises(ValueError, match="powers of two"):
         TritonAdamW([torch.nn.Parameter(torch.zeros(4, device=device))], launch=launch)
@@ -56,6 +69,7 @@ def test_the_adamw_tuners_candidates():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("flags", [[], ["--candidates", "512"], ["--preset", "huge"]])
+@pytest.mark.parametrize("flags", [[], ["--candidates", "512"], ["--preset", "huge"],
+                                   ["--output-json", "/dev/null/x.json"]])
 def test_the_adamw_tuner_needs_a_gpu_and_good_flags(flags):
     assert_refused_in_one_line("tune_adamw.py", flags)

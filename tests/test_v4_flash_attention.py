@@ -317,7 +317,8 @@ def test_the_tile_tuner_needs_a_gpu_and_good_flags(flags):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("flags", [[], ["--preset", "huge"], ["--dtype", "float32"]])
+@pytest.mark.parametrize("flags", [[], ["--preset", "huge"], ["--dtype", "float32"],
+                                   ["--output-json", "/dev/null/x.json"]])
 def test_the_attention_backend_comparison_needs_a_gpu_and_good_flags(flags):
     """compare_attention_backends.py: one line and exit 2, before anything is built."""
     assert_refused_in_one_line("compare_attention_backends.py", flags)

@@ -115,7 +115,8 @@ def test_the_loss_tuners_candidates():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("flags", [[], ["--candidates", "4096"], ["--dtype", "float64"]])
+@pytest.mark.parametrize("flags", [[], ["--candidates", "4096"], ["--dtype", "float64"],
+                                   ["--output-json", "/dev/null/x.json"]])
 def test_the_loss_tuner_needs_a_gpu_and_good_flags(flags):
     assert_refused_in_one_line("tune_cross_entropy.py", flags)
 

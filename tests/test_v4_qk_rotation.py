@@ -250,6 +250,7 @@ def test_the_rotation_tuners_candidates_fit_the_shape(rotation_tuner):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 @pytest.mark.parametrize("flags", [[], ["--candidates", "4,4"], ["--candidates", "4,3,2"], ["--preset", "huge"],
-                                   ["--preset", "tiny", "--candidates", "1,64,4"], ["--dtype", "float64"]])
+                                   ["--preset", "tiny", "--candidates", "1,64,4"], ["--dtype", "float64"],
+                                   ["--output-json", "/dev/null/x.json"]])
 def test_the_rotation_tuner_needs_a_gpu_and_good_flags(flags):
     assert_refused_in_one_line("tune_qk_rotation.py", flags)

@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser, command_line  # noqa: E402
-from tinytransformer.config import ModelConfig, TrainConfig, available_presets, preset_settings  # noqa: E402
+from tinytransformer.config import (ConfigError, ModelConfig, TrainConfig, available_presets,  # noqa: E402
+                                    preset_settings)
 from tinytransformer.outputs import write_json  # noqa: E402
 from tinytransformer.paths import prove_output_file  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
@@ -67,7 +68,10 @@ def parse_args(argv):
     parser.add_argument("--output-json", help="also write the table, the machine and the command here")
     args = parser.parse_args(argv)
     if args.output_json:
-        prove_output_file(args.output_json, "--output-json")   # before a minute of building and timing
+        try:   # before a minute of building and timing
+            prove_output_file(args.output_json, "--output-json")
+        except ConfigError as why:
+            parser.error(str(why))
     args.candidates = candidates_from_flags(parser, args.candidates, candidate, DEFAULT_CANDIDATES)
     if not torch.cuda.is_available():
         parser.error("needs a GPU (CUDA or ROCm): timings in Triton's CPU interpreter say nothing about one")

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser, command_line  # noqa: E402
-from tinytransformer.config import ModelConfig, available_presets, preset_settings  # noqa: E402
+from tinytransformer.config import ConfigError, ModelConfig, available_presets, preset_settings  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
 from tinytransformer.paths import prove_output_file  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
@@ -81,7 +81,10 @@ def parse_args(argv):
     parser.add_argument("--output-json", help="also write the table, the machine and the command here")
     args = parser.parse_args(argv)
     if args.output_json:
-        prove_output_file(args.output_json, "--output-json")   # before a minute of compiling and timing
+        try:   # before a minute of compiling and timing
+            prove_output_file(args.output_json, "--output-json")
+        except ConfigError as why:
+            parser.error(str(why))
     model, train = preset_settings(args.preset)
     config = ModelConfig(**model)
     args.rows, args.dim, args.head_dim = train["batch_size"] * train["seq_len"], config.hidden_dim, config.head_dim

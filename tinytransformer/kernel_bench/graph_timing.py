@@ -5,7 +5,8 @@ kernel takes on the GPU, so a timer per call (triton.testing.do_bench) may measu
 the launches run back to back on the GPU, and one replay timed with device events divided by the number of
 launches is the kernel's own time. The candidates of a tuner take turns (time_interleaved), so that a clock
 change or a neighbour slows every candidate of a round, not one. The tuners of version 4
-(tune_norm_backward.py, tune_qk_rotation.py) time this way.
+(tune_norm_backward.py, tune_qk_rotation.py, tune_adamw.py, tune_cross_entropy.py) and
+compare_attention_backends.py time this way.
 """
 from __future__ import annotations
 

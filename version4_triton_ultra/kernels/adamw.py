@@ -45,23 +45,24 @@ from tinytransformer.triton_support import interpreter_active, small_interpreter
 from version4_triton_ultra.kernels.add_rmsnorm import is_last_to_arrive
 
 # Elements per program, and warps: 4 elements per thread on NVIDIA (32-thread warps), 2 on AMD CDNA (64-thread
-# wavefronts; not tuned there). Small programs stream best: on an H200, the kernel alone for every parameter group
-# of the presets (tune_adamw.py; benchmarks/results/kernel_time/h200_adamw_launch.json) took 5-9% less time with
-# 512 elements and 4 warps than with 1,024 and 8 (the choice made on an H100 for the seed model alone, where 256
-# to 1,024 elements timed within 2%), at 76-79% of the GPU's bandwidth from the medium preset up; programs of
-# 256 or 2,048 elements, or 8 elements a thread, were slower at every size.
+# wavefronts; not tuned there). Small programs stream best: on an H200, the whole update alone (tune_adamw.py;
+# benchmarks/results/kernel_time/h200_adamw_launch.json) took 6-7% less time at the small, medium and large
+# presets with 512 elements and 4 warps than with 1,024 and 8 (the choice made on an H100 for the seed model alone,
+# where 256 to 1,024 elements timed within 2%; 9% less there on the H200), at 77-78% of the GPU's bandwidth from the
+# medium preset up; programs of 256 or 2,048 elements, or 8 elements a thread, were slower at every size.
 BLOCK = 512
 NUM_WARPS = 4
 # A parameter group of fewer than SMALL_PROGRAMS_FROM elements keeps the launch chosen before (1,024 elements, 8
 # warps): in the graph-captured step of the seed model (groups of under a million parameters, most updated on the
 # second stream beside the backward pass) the small programs made the bfloat16 step slower on an H200, 0.406 ->
 # 0.413 ms in two separate runs of interleaved rounds, although the kernel alone was faster (30.1 -> 27.3 us). The
-# small preset's step (layer groups of 3.2 M) timed the same under both (2.03 ms); the medium preset's (layer groups
-# of 12.8 M) 22.56 -> 22.44 ms with the small programs.
+# small preset's step timed the same under the old launch, the new one everywhere and this rule (2.03 ms; its layer
+# groups hold 3.2 M elements, the last layer's with the output head 5.3 M: the only one above); the medium preset's
+# (layer groups of 12.8 M) 22.56 -> 22.44 ms with the small programs.
 SMALL_GROUP_LAUNCH = (1024, 8)
 SMALL_PROGRAMS_FROM = 2 ** 22
-# Elements per program in Triton's CPU interpreter, where a CPU run pays per program (kernel tests keep BLOCK, so
-# that their parameters span several programs): about one program per parameter of a small model.
+# Elements per program in Triton's CPU interpreter, where a CPU run pays per program (kernel tests keep the launch's
+# block, so that their parameters span several programs): about one program per parameter of a small model.
 INTERPRETER_BLOCK = 65536
 # Rows of the per-tensor address table, in this order.
 ADDRESS_ROWS = ("param", "grad", "exp_avg", "exp_avg_sq", "step", "copy")
@@ -148,14 +149,15 @@ class TritonAdamW(torch.optim.Optimizer):
             raise ValueError("a tensor lr must be a 0-dim float32 tensor")
         if not isinstance(lr, torch.Tensor) and lr < 0.0:
             raise ValueError(f"lr must be >= 0: {lr}")
-        if launch is not None and (len(launch) != 2 or not all(isinstance(n, int) and n > 0 and n & (n - 1) == 0
-                                                               for n in launch)):
+        if launch is not None and (not isinstance(launch, (tuple, list)) or len(launch) != 2
+                                   or not all(isinstance(n, int) and n > 0 and n & (n - 1) == 0 for n in launch)):
             raise ValueError(f"launch must be (elements a program, warps), powers of two: {launch}")
         # capturable: load_state_dict then keeps `step` on the parameter's device (torch's convention), and the
         # trainer gives this group a tensor learning rate when the schedule varies (make_learning_rate_a_tensor).
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True))
         self.sixteen_bit_copies = {} if sixteen_bit_copies is None else sixteen_bit_copies
         # (elements a program, warps) of every launch when a tuner (tune_adamw.py) times one; None: by group size.
+        # Set here only: a group's launch is fixed with its launch tables, at its first step.
         self.launch = launch
         self._launches = {}   # group index -> (address key, launch tables) of the last step
         self._pending = {}    # group index -> (address key, addresses) recorded under graph capture

@@ -11,6 +11,7 @@ import torch
 from tinytransformer import triton_support
 from version4_triton_ultra.kernels import add_rmsnorm as arn
 
+from .script_checks import assert_refused_in_one_line
 # poisoned_outputs: this file's autouse fixture (every allocated output starts as NaN)
 from .v4_kernel_checks import (  # noqa: F401
     EPS, as_float64_leaf, assert_matches, leaf, poisoned_outputs, random)
@@ -435,9 +436,4 @@ def test_the_norm_tuners_override_reaches_only_its_width(norm_tuner, known_gpu):
                                    ["--candidates", "3,4,2,1"], ["--features", "9000"], ["--in-step", "huge"],
                                    ["--in-step", "medium"]])
 def test_the_norm_tuner_needs_a_gpu_and_good_flags(flags):
-    import subprocess
-    import sys
-    from pathlib import Path
-    script = Path(__file__).resolve().parent.parent / "version4_triton_ultra" / "tune_norm_backward.py"
-    result = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "error:" in result.stderr, result.stderr
+    assert_refused_in_one_line("tune_norm_backward.py", flags)

@@ -308,12 +308,7 @@ def test_the_tile_tuner_pins_the_other_kernels(tune_module, known_gpu):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 @pytest.mark.parametrize("flags", [[], ["--shape", "8x16"], ["--kernels", "fwd"], ["--others", "v3"]])
 def test_the_tile_tuner_needs_a_gpu_and_good_flags(flags):
-    import subprocess
-    import sys
-    from pathlib import Path
-    script = Path(__file__).resolve().parent.parent / "version4_triton_ultra" / "tune_attention_tiles.py"
-    result = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "error:" in result.stderr
+    assert_refused_in_one_line("tune_attention_tiles.py", flags)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")

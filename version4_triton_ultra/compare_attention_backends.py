@@ -31,15 +31,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser, command_line  # noqa: E402
-from tinytransformer.config import ConfigError, ModelConfig, available_presets, preset_settings  # noqa: E402
+from tinytransformer.config import ModelConfig, available_presets, preset_settings  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
-from tinytransformer.paths import prove_output_file  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
 
 enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
 
 from tinytransformer.device import software_and_gpu  # noqa: E402
 from tinytransformer.kernel_bench.graph_timing import captured_launches, graph_ms, time_interleaved  # noqa: E402
+from tinytransformer.kernel_bench.tuner_cli import prove_output_json, refuse_without_gpu  # noqa: E402
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
 from version4_triton_ultra.kernels.flash_attention import (packed_attention_backward,  # noqa: E402
                                                            packed_attention_forward)
@@ -57,17 +57,12 @@ def parse_args(argv):
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="q, k and v's dtype [bfloat16]")
     parser.add_argument("--output-json", help="also write the table, the machine and the command here")
     args = parser.parse_args(argv)
-    if args.output_json:
-        try:
-            prove_output_file(args.output_json, "--output-json")
-        except ConfigError as why:
-            parser.error(str(why))
+    prove_output_json(parser, args.output_json)
     model, train = preset_settings(args.preset)
     config = ModelConfig(**model)
     args.batch, args.seq_len = train["batch_size"], train["seq_len"]
     args.heads, args.head_dim = config.num_heads, config.head_dim
-    if not torch.cuda.is_available():
-        parser.error("needs a GPU (CUDA or ROCm): timings in Triton's CPU interpreter say nothing about one")
+    refuse_without_gpu(parser)
     return args
 
 

@@ -32,17 +32,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser, command_line  # noqa: E402
-from tinytransformer.config import (ConfigError, ModelConfig, TrainConfig, available_presets,  # noqa: E402
+from tinytransformer.config import (ModelConfig, TrainConfig, available_presets,  # noqa: E402
                                     preset_settings)
 from tinytransformer.outputs import write_json  # noqa: E402
-from tinytransformer.paths import prove_output_file  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
 
 enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
 
 from tinytransformer.device import peak_bandwidth_tbs, software_and_gpu  # noqa: E402
-from tinytransformer.kernel_bench.candidates import candidates_from_flags, powers_of_two  # noqa: E402
 from tinytransformer.kernel_bench.graph_timing import captured_launches, graph_ms, time_interleaved  # noqa: E402
+from tinytransformer.kernel_bench.tuner_cli import (candidates_from_flags, powers_of_two,  # noqa: E402
+                                                  prove_output_json, refuse_without_gpu)
 from version4_triton_ultra.kernels import adamw  # noqa: E402
 
 DEFAULT_CANDIDATES = [(256, 2), (512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8), (2048, 16)]
@@ -67,14 +67,9 @@ def parse_args(argv):
                         help="launches to try: elements and warps a program [a built-in list]")
     parser.add_argument("--output-json", help="also write the table, the machine and the command here")
     args = parser.parse_args(argv)
-    if args.output_json:
-        try:   # before a minute of building and timing
-            prove_output_file(args.output_json, "--output-json")
-        except ConfigError as why:
-            parser.error(str(why))
+    prove_output_json(parser, args.output_json)
     args.candidates = candidates_from_flags(parser, args.candidates, candidate, DEFAULT_CANDIDATES)
-    if not torch.cuda.is_available():
-        parser.error("needs a GPU (CUDA or ROCm): timings in Triton's CPU interpreter say nothing about one")
+    refuse_without_gpu(parser)
     return args
 
 
@@ -110,9 +105,9 @@ def one_update(params, copies, launch) -> list:
     return clones + [s["exp_avg"] for s in state] + [s["exp_avg_sq"] for s in state] + list(clone_copies.values())
 
 
-def check(optimizer, launch, want) -> str:
-    group = max(optimizer.param_groups, key=lambda g: sum(p.numel() for p in g["params"]))
-    got = one_update(group["params"], optimizer.sixteen_bit_copies, launch)
+def check(params, copies, launch, want) -> str:
+    """"ok" when one update of `params` under `launch` gives `want` (the module's launch's update) bit for bit."""
+    got = one_update(params, copies, launch)
     return "ok" if all(torch.equal(a, b) for a, b in zip(got, want)) else "WRONG"
 
 
@@ -130,7 +125,8 @@ def main(argv=None) -> int:
     optimizers = {"the rule (by group size)": (rule, "ok")}
     for launch in args.candidates:
         try:
-            optimizers[label(launch)] = (same_parameters(rule, launch), check(rule, launch, want))
+            verdict = check(largest["params"], rule.sixteen_bit_copies, launch, want)
+            optimizers[label(launch)] = (same_parameters(rule, launch), verdict)
         except Exception as why:   # noqa: BLE001 - a launch this GPU cannot compile or run is not a candidate
             print(f"{label(launch):<26} fails: {str(why).splitlines()[0][:80]}")
     graphs = {name: captured_launches(optimizer.step, STEPS_PER_GRAPH) for name, (optimizer, _) in optimizers.items()}

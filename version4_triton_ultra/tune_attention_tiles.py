@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from tinytransformer.cli import OneLineParser  # noqa: E402
 from tinytransformer.kernel_bench.timing import median_ms  # noqa: E402
+from tinytransformer.kernel_bench.tuner_cli import refuse_without_gpu  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
 
 enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
@@ -63,8 +64,7 @@ def parse_args(argv):
     unknown = [k for k in args.kernels if k not in CANDIDATES]
     if unknown or not args.kernels:
         parser.error(f"--kernels: choose from forward,dq,dkdv (got {args.kernels!r})")
-    if not torch.cuda.is_available():
-        parser.error("needs a GPU (CUDA or ROCm): timings in Triton's CPU interpreter say nothing about one")
+    refuse_without_gpu(parser)
     return args
 
 

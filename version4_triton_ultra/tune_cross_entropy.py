@@ -21,7 +21,6 @@ The check: each candidate's losses and gradients on fresh logits against float64
 tolerances (the sums run in another order under another launch), else the row says WRONG. Needs a GPU.
 """
 import itertools
-import math
 import sys
 from pathlib import Path
 
@@ -30,9 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser, command_line  # noqa: E402
-from tinytransformer.config import ConfigError, ModelConfig, available_presets, preset_settings  # noqa: E402
+from tinytransformer.config import ModelConfig, available_presets, preset_settings  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
-from tinytransformer.paths import prove_output_file  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
 
 enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
@@ -40,9 +38,10 @@ enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GP
 import triton  # noqa: E402
 
 from tinytransformer.device import peak_bandwidth_tbs, software_and_gpu  # noqa: E402
-from tinytransformer.kernel_bench.candidates import candidates_from_flags, powers_of_two  # noqa: E402
-from tinytransformer.kernel_bench.graph_timing import captured_launches, graph_ms, time_interleaved  # noqa: E402
-from tinytransformer.kernel_bench.timing import l2_cache_bytes  # noqa: E402
+from tinytransformer.kernel_bench.graph_timing import (buffer_count, captured_launches, graph_ms,  # noqa: E402
+                                                     time_interleaved)
+from tinytransformer.kernel_bench.tuner_cli import (candidates_from_flags, powers_of_two,  # noqa: E402
+                                                  prove_output_json, refuse_without_gpu)
 from version4_triton_ultra.kernels import linear_cross_entropy as lce  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -75,18 +74,13 @@ def parse_args(argv):
                         help="launches to try: vocabulary entries a block, warps a row [a built-in list]")
     parser.add_argument("--output-json", help="also write the table, the machine and the command here")
     args = parser.parse_args(argv)
-    if args.output_json:
-        try:   # before a minute of compiling and timing
-            prove_output_file(args.output_json, "--output-json")
-        except ConfigError as why:
-            parser.error(str(why))
+    prove_output_json(parser, args.output_json)
     model, train = preset_settings(args.preset)
     args.vocab_size = ModelConfig(**model).vocab_size
     args.rows = min(lce.default_chunk_rows(args.vocab_size, DTYPES[args.dtype]), train["batch_size"] * train["seq_len"])
     args.candidates = candidates_from_flags(parser, args.candidates, candidate, default_candidates(args.vocab_size))
     args.candidates = [c for c in args.candidates if c != lce.cross_entropy_launch(args.vocab_size)]
-    if not torch.cuda.is_available():
-        parser.error("needs a GPU (CUDA or ROCm): timings in Triton's CPU interpreter say nothing about one")
+    refuse_without_gpu(parser)
     return args
 
 
@@ -109,7 +103,7 @@ def check(logits, targets, want, launch) -> str:
 
 
 def label(launch) -> str:
-    return "the rule ({}, {} warps)".format(*launch) if launch[2] else "{} a block, {} warps".format(*launch[:2])
+    return "{} a block, {} warps".format(*launch)
 
 
 def main(argv=None) -> int:
@@ -120,16 +114,17 @@ def main(argv=None) -> int:
     targets = torch.randint(0, args.vocab_size, (args.rows,), device="cuda")
     want = reference(logits, targets)
     logit_bytes = logits.numel() * logits.element_size()
-    copies = [logits.clone() for _ in range(max(2, math.ceil(3 * l2_cache_bytes(logits.device) / logit_bytes)))]
+    copies = [logits.clone() for _ in range(buffer_count(logit_bytes))]
     row_loss = torch.empty(args.rows, dtype=torch.float32, device="cuda")
     graphs, verdicts, bytes_moved = {}, {}, {}
-    for launch in [(*lce.cross_entropy_launch(args.vocab_size), True)] + [(*c, False) for c in args.candidates]:
-        name, block_and_warps = label(launch), launch[:2]
+    rule = lce.cross_entropy_launch(args.vocab_size)
+    launches = {"the rule ({}, {} warps)".format(*rule): rule, **{label(c): c for c in args.candidates}}
+    for name, launch in launches.items():
         try:
-            verdicts[name] = check(logits, targets, want, block_and_warps)
+            verdicts[name] = check(logits, targets, want, launch)
             turns = itertools.cycle(copies)
             graphs[name] = captured_launches(
-                lambda launch=block_and_warps: lce.cross_entropy_rows_(next(turns), targets, row_loss, launch=launch),
+                lambda launch=launch: lce.cross_entropy_rows_(next(turns), targets, row_loss, launch=launch),
                 LAUNCHES_PER_GRAPH)
             bytes_moved[name] = logit_bytes * (2 if args.vocab_size <= launch[0] else 3)
         except Exception as why:   # noqa: BLE001 - a launch this GPU cannot compile or run is not a candidate

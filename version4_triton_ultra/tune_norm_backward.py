@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from tinytransformer.cli import OneLineParser, positive_int  # noqa: E402
 from tinytransformer.config import ModelConfig, available_presets, preset_settings  # noqa: E402
-from tinytransformer.kernel_bench.candidates import candidates_from_flags  # noqa: E402
 from tinytransformer.kernel_bench.graph_timing import captured_launches, graph_ms, time_interleaved  # noqa: E402
+from tinytransformer.kernel_bench.tuner_cli import candidates_from_flags, refuse_without_gpu  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
 
 enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
@@ -82,8 +82,7 @@ def parse_args(argv):
         if triton.next_power_of_2(width) != block_d:
             parser.error(f"--in-step {args.in_step}: its rows are {width} features wide, not {args.features}; "
                          f"pass --features {width}")
-    if not torch.cuda.is_available():
-        parser.error("needs a GPU (CUDA or ROCm): timings in Triton's CPU interpreter say nothing about one")
+    refuse_without_gpu(parser)
     return args
 
 

@@ -22,7 +22,6 @@ any tiling; tests/test_v4_qk_rotation.py checks the rule against a float64 refer
 Candidates of more than 32,768 elements a program are skipped. Needs a GPU.
 """
 import itertools
-import math
 import sys
 from pathlib import Path
 
@@ -31,9 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser, command_line  # noqa: E402
-from tinytransformer.config import ConfigError, ModelConfig, available_presets, preset_settings  # noqa: E402
+from tinytransformer.config import ModelConfig, available_presets, preset_settings  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
-from tinytransformer.paths import prove_output_file  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
 
 enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
@@ -41,9 +39,10 @@ enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GP
 import triton  # noqa: E402
 
 from tinytransformer.device import peak_bandwidth_tbs, software_and_gpu  # noqa: E402
-from tinytransformer.kernel_bench.candidates import candidates_from_flags, powers_of_two  # noqa: E402
-from tinytransformer.kernel_bench.graph_timing import captured_launches, graph_ms, time_interleaved  # noqa: E402
-from tinytransformer.kernel_bench.timing import l2_cache_bytes  # noqa: E402
+from tinytransformer.kernel_bench.graph_timing import (buffer_count, captured_launches, graph_ms,  # noqa: E402
+                                                     time_interleaved)
+from tinytransformer.kernel_bench.tuner_cli import (candidates_from_flags, powers_of_two,  # noqa: E402
+                                                  prove_output_json, refuse_without_gpu)
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
 from version4_triton_ultra.kernels import qk_rotation as qk  # noqa: E402
 
@@ -80,11 +79,7 @@ def parse_args(argv):
                         help="launches to try: rows, heads, warps per program [a built-in list]")
     parser.add_argument("--output-json", help="also write the table, the machine and the command here")
     args = parser.parse_args(argv)
-    if args.output_json:
-        try:   # before a minute of compiling and timing
-            prove_output_file(args.output_json, "--output-json")
-        except ConfigError as why:
-            parser.error(str(why))
+    prove_output_json(parser, args.output_json)
     model, train = preset_settings(args.preset)
     config = ModelConfig(**model)
     args.rows, args.dim, args.head_dim = train["batch_size"] * train["seq_len"], config.hidden_dim, config.head_dim
@@ -96,16 +91,8 @@ def parse_args(argv):
         parser.error(f"--candidates: {too_many[0][1]} heads a program, and a row has {args.rotated_heads} q and k "
                      f"heads")
     args.candidates = [c for c in args.candidates if c[0] * c[1] * args.head_dim <= MAX_PROGRAM_ELEMENTS]
-    if not torch.cuda.is_available():
-        parser.error("needs a GPU (CUDA or ROCm): timings in Triton's CPU interpreter say nothing about one")
+    refuse_without_gpu(parser)
     return args
-
-
-def buffer_count(bytes_read: int) -> int:
-    """How many qkv buffers the graph's launches take turns on: enough that they hold three times the L2 cache,
-    so that a launch reads what the cache no longer holds. (One buffer rotated over and over stays partly in the
-    cache: at the medium preset its timings came out above an H200's data-sheet bandwidth.)"""
-    return max(2, math.ceil(3 * l2_cache_bytes(torch.device("cuda")) / bytes_read))
 
 
 def launch_of(candidate_or_none) -> dict | None:

@@ -10,10 +10,13 @@ compare_attention_backends.py time this way.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Callable
 
 import torch
+
+from tinytransformer.kernel_bench.timing import l2_cache_bytes
 
 
 def captured_launches(run: Callable[[], object], launches: int) -> torch.cuda.CUDAGraph:
@@ -50,3 +53,11 @@ def time_interleaved(runs: dict, rounds: int) -> dict:
         for name, run in runs.items():
             times[name].append(run())
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def buffer_count(bytes_read: int) -> int:
+    """How many copies of a kernel's input a graph's launches should take turns on, for launches that each read
+    `bytes_read`: enough that together they hold three times the L2 cache, so that a launch reads what the cache
+    no longer holds (one buffer used over and over stays partly in the cache: the RoPE kernel's timings at the
+    medium preset came out above an H200's data-sheet bandwidth that way); at least 2."""
+    return max(2, math.ceil(3 * l2_cache_bytes(torch.device("cuda")) / bytes_read))

@@ -317,3 +317,24 @@ def test_the_tile_tuner_needs_a_gpu_and_good_flags(flags):
 def test_the_attention_backend_comparison_needs_a_gpu_and_good_flags(flags):
     """compare_attention_backends.py: one line and exit 2, before anything is built."""
     assert_refused_in_one_line("compare_attention_backends.py", flags)
+
+
+def test_attention_comparison_checks_gradients_and_catches_wrong_ones(device):
+    """compare_attention_backends.py checks each row's output and packed gradient against float64 attention: ours
+    (dq and dk rotated back by RoPE, turned forward for the check) and an SDPA row pass; our gradient taken as an
+    SDPA row's (not turned forward), or an output off by 10%, is caught."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention import SDPBackend
+    from version4_triton_ultra import compare_attention_backends as compare
+    torch.manual_seed(0)
+    shape = compare.Shape(SimpleNamespace(batch=1, heads=2, seq_len=24, head_dim=16), torch.float32, device=device)
+    want = compare.reference(shape)
+    ours = compare.ours(shape)
+    assert compare.check(shape, "version 4 (Triton)", *ours, want)["verdict"] == "ok"
+    assert compare.check(shape, "sdpa: math", *compare.sdpa(shape, SDPBackend.MATH), want)["verdict"] == "ok"
+    not_turned = compare.check(shape, "sdpa: flash", *ours, want)
+    assert not_turned["verdict"].startswith("WRONG (grads") and not_turned["errors"]["out"] < 1e-3
+    forward, forward_backward = ours
+    off = compare.check(shape, "version 4 (Triton)", lambda: 1.1 * forward(), forward_backward, want)
+    assert off["verdict"].startswith("WRONG (out") and "grads" not in off["verdict"]

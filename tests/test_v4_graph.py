@@ -37,6 +37,33 @@ def test_graph_replays_read_new_batches(tmp_path):
     assert torch.cuda.is_available()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("equal", [False, True], ids=["main-stream-first", "equal-priority"])
+def test_the_main_stream_is_captured_above_the_second_stream(equal):
+    """GraphedStep captures the step on a stream of higher priority than the weight-gradient stream's, unless
+    --equal-stream-priority; the priority only orders the kernels, so both forms train to the same losses."""
+    from version4_triton_ultra import profile_graphed_step
+    flags = ["--steps", "1"] + (["--equal-stream-priority"] if equal else [])
+    step, inputs, targets = profile_graphed_step.build_step(profile_graphed_step.parse_args(flags))
+    second_stream = step.model.weight_grad_stream.stream
+    if equal:
+        assert step.capture_stream() is None
+    else:
+        assert step.capture_stream().priority < second_stream.priority   # CUDA counts down: lower is sooner
+    torch.manual_seed(0)
+    losses = [step(inputs, targets).item() for _ in range(8)]   # 3 eager steps, the capture, replays
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.gpu
+def test_stream_priority_changes_no_loss(tmp_path):
+    first = losses_of(tmp_path, "first", ["--cuda-graph", "--use-amp", "--amp-dtype", "bfloat16"])
+    equal = losses_of(tmp_path, "equal", ["--cuda-graph", "--use-amp", "--amp-dtype", "bfloat16",
+                                          "--equal-stream-priority"])
+    for step, (f, e) in enumerate(zip(first, equal)):
+        assert f == pytest.approx(e, rel=1e-3), f"step {step}: main stream first {f} vs equal priority {e}"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 @pytest.mark.parametrize("flags", [[], ["--batch-size", "0"], ["--bogus"]])
 def test_profile_graphed_step_needs_a_gpu_and_good_flags(flags):
@@ -194,7 +221,8 @@ def test_graph_with_a_frozen_embedding_trains_like_the_eager_step():
 def v4_args(**overrides):
     from types import SimpleNamespace
     args = dict(device="auto", cuda_graph=True, weight_grad_stream=True, rope_in_attention=False, separate_swiglu=False,
-                separate_rope=False, torch_adamw=False, tf32=True, use_amp=None, deepspeed=None, deepspeed_config=None)
+                separate_rope=False, torch_adamw=False, tf32=True, use_amp=None, deepspeed=None, deepspeed_config=None,
+                equal_stream_priority=False)
     return SimpleNamespace(**{**args, **overrides})
 
 
@@ -214,7 +242,9 @@ def test_header_on_the_cpu_says_exact_float32_in_the_interpreter(tf32, monkeypat
     monkeypatch.setattr(v4, "interpreter_active", lambda: False)
     gpu = v4.describe(v4_args(tf32=tf32))
     assert gpu["matmuls"] == ("TF32 tensor cores for float32" if tf32 else "exact float32")
-    assert gpu["step"].startswith("CUDA/HIP graph replay")
+    assert gpu["step"].startswith("CUDA/HIP graph replay") and gpu["step"].endswith("a second stream of lower priority")
+    equal = v4.describe(v4_args(tf32=tf32, equal_stream_priority=True))["step"]
+    assert equal.endswith("a second stream"), equal
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the header of a run on a machine without a GPU")

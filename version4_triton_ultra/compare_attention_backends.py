@@ -20,8 +20,10 @@ How it times: each row's forward, and its forward + backward, as a CUDA/HIP grap
 interleaved rounds (median; tinytransformer/kernel_bench/graph_timing.py). TFLOP/s counts the causal half of
 the two matmuls of the forward (4 * B * H * S^2 * Dh / 2) and 2.5 times that for the backward. The sdpa rows'
 forward + backward include what autograd adds around the kernels (gathering dq, dk and dv into the packed gradient).
-Each row's forward output is checked against float32 attention (PyTorch's math backend) within the dtype's
-tolerance; the gradients are not checked here (tests/test_v4_flash_attention.py checks ours). Needs a GPU.
+Each row is checked before it is timed, against float64 attention of the same q, k and v (PyTorch's math
+backend and autograd): its output, and its gradient of the packed qkv, within the dtype's tolerance of the kernel
+tests (relative error of the whole tensor). Our backward returns dq and dk rotated back by RoPE; the check turns
+them forward again before comparing (the rotation is orthogonal: nothing is lost). Needs a GPU.
 """
 import sys
 from pathlib import Path
@@ -43,9 +45,11 @@ from tinytransformer.kernel_bench.tuner_cli import prove_output_json, refuse_wit
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
 from version4_triton_ultra.kernels.flash_attention import (packed_attention_backward,  # noqa: E402
                                                            packed_attention_forward)
+from version4_triton_ultra.tune_attention_tiles import relative_error, rotate  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}   # largest relative error of out, as the kernel tests
+# Relative error of out and of the gradient, as the kernel tests allow (float32, which the tests use, through TF32).
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 5e-3}
 CALLS_PER_GRAPH = 10
 ROUNDS = 7
 
@@ -69,12 +73,12 @@ def parse_args(argv):
 class Shape:
     """The packed qkv, the incoming gradient and the RoPE tables of one preset's attention."""
 
-    def __init__(self, args, dtype):
+    def __init__(self, args, dtype, device="cuda"):
         self.batch, self.heads, self.seq_len, self.head_dim = args.batch, args.heads, args.seq_len, args.head_dim
         self.dim = self.heads * self.head_dim
-        self.qkv = torch.randn(self.batch, self.seq_len, 3 * self.dim, device="cuda").to(dtype)
-        self.grad_out = torch.randn(self.batch, self.seq_len, self.dim, device="cuda").to(dtype)
-        self.rope = rope_tables(self.seq_len, self.head_dim, device="cuda")
+        self.qkv = torch.randn(self.batch, self.seq_len, 3 * self.dim, device=device).to(dtype)
+        self.grad_out = torch.randn(self.batch, self.seq_len, self.dim, device=device).to(dtype)
+        self.rope = rope_tables(self.seq_len, self.head_dim, device=device)
 
     def views(self, qkv):
         """q, k, v as [B, H, S, Dh] views of the packed layout (no copies)."""
@@ -125,6 +129,11 @@ def cudnn_then_ours(shape):
     return (lambda: cudnn_forward()[0]), forward_backward
 
 
+# The rows whose backward is ours: it returns dq and dk rotated back by RoPE (version 4's step needs the gradient
+# of the q and k its QKV GEMM wrote before rotating them).
+ROTATED_BACK = {"version 4 (Triton)", "cudnn forward + version 4 backward"}
+
+
 def rows_of(shape) -> dict:
     from torch.nn.attention import SDPBackend
     return {"version 4 (Triton)": lambda: ours(shape),
@@ -134,12 +143,33 @@ def rows_of(shape) -> dict:
             "cudnn forward + version 4 backward": lambda: cudnn_then_ours(shape)}
 
 
-def output_error(shape, forward) -> float:
+def reference(shape):
+    """out and the gradient of the packed qkv, of causal attention in float64 (no RoPE: it is in neither forward)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    qkv = shape.qkv.double().requires_grad_(True)
     with sdpa_kernel(SDPBackend.MATH):
-        want = shape.packed(torch.nn.functional.scaled_dot_product_attention(
-            *(t.float() for t in shape.views(shape.qkv)), is_causal=True))
-    return ((forward().float() - want).abs().max() / want.abs().max()).item()
+        out = shape.packed(torch.nn.functional.scaled_dot_product_attention(*shape.views(qkv), is_causal=True))
+    out.backward(shape.grad_out.double())
+    return out.detach(), qkv.grad
+
+
+def turned_forward(shape, grad_qkv):
+    """Our packed gradient with dq and dk rotated by RoPE again: the gradient of the q and k attention read."""
+    cos, sin = (table.double() for table in shape.rope)
+    q, k, v = shape.views(grad_qkv.double())
+    return torch.cat([shape.packed(rotate(q, cos, sin)), shape.packed(rotate(k, cos, sin)), shape.packed(v)], -1)
+
+
+def check(shape, name, forward, forward_backward, want) -> dict:
+    """The row's relative errors (out, grads) against `want` = reference(shape), and its verdict."""
+    want_out, want_grad = want
+    grad = forward_backward()
+    if name in ROTATED_BACK:
+        grad = turned_forward(shape, grad)
+    errors = {"out": relative_error(forward(), want_out), "grads": relative_error(grad, want_grad)}
+    tolerance = TOLERANCE[shape.qkv.dtype]
+    wrong = [f"{what} {error:.1e}" for what, error in errors.items() if not error <= tolerance]
+    return {"errors": errors, "verdict": "ok" if not wrong else "WRONG (" + ", ".join(wrong) + ")"}
 
 
 def main(argv=None) -> int:
@@ -147,12 +177,12 @@ def main(argv=None) -> int:
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
     shape = Shape(args, dtype)
-    runs, verdicts, unavailable = {}, {}, {}
+    want = reference(shape)
+    runs, checks, unavailable = {}, {}, {}
     for name, build in rows_of(shape).items():
         try:
             forward, forward_backward = build()
-            error = output_error(shape, forward)
-            verdicts[name] = "ok" if error <= TOLERANCE[dtype] else f"WRONG ({error:.1e})"
+            checks[name] = check(shape, name, forward, forward_backward, want)
             graphs = (captured_launches(forward, CALLS_PER_GRAPH), captured_launches(forward_backward, CALLS_PER_GRAPH))
             # A graph does not keep the tensors it reads alive (sdpa's leaf copy of qkv lives in its closures):
             # each timing keeps its row's closures, so that no replay reads memory handed to someone else.
@@ -176,9 +206,9 @@ def main(argv=None) -> int:
         forward_us = 1000.0 * times[f"{name}|forward"] / CALLS_PER_GRAPH
         both_us = 1000.0 * times[f"{name}|forward + backward"] / CALLS_PER_GRAPH
         print(f"{name:<36} {forward_us:9.1f} {forward_flops / forward_us / 1e6:8.0f} {both_us:10.1f} "
-              f"{3.5 * forward_flops / both_us / 1e6:8.0f}  {verdicts[name]}")
+              f"{3.5 * forward_flops / both_us / 1e6:8.0f}  {checks[name]['verdict']}")
         results.append({"row": name, "forward_us": forward_us, "forward_backward_us": both_us,
-                        "check": verdicts[name]})
+                        "check": checks[name]["verdict"], "relative_errors": checks[name]["errors"]})
     if args.output_json:
         write_json(args.output_json, {
             "benchmark": "causal attention on the packed QKV layout: version 4's kernels against PyTorch's "

@@ -38,6 +38,7 @@ FORMS = {
     "separate-swiglu": ["--separate-swiglu"],             # vendor feed-forward GEMMs, SwiGLU as kernels of its own
     "torch-adamw": ["--torch-adamw"],                     # torch's fused AdamW + a separate bfloat16 weight copy
     "no-weight-grad-stream": ["--no-weight-grad-stream"],   # the weight-gradient GEMMs on the main stream
+    "equal-stream-priority": ["--equal-stream-priority"],   # the main stream not above the second stream
 }
 
 

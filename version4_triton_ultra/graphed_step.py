@@ -9,6 +9,11 @@ from tinytransformer.profiling.ranges import profile_range
 from tinytransformer.training.captured_step import GraphReplayedStep, captures_step
 from tinytransformer.training.step import EagerStep
 
+# The main stream's priority in the captured step (GraphedStep.capture_stream). CUDA counts down: 0, every stream's
+# default and the second stream's, is the lowest; -1 is above it. What it buys, per preset: version 4's README,
+# "The critical path first".
+CAPTURE_PRIORITY = -1
+
 # --embedding-grad-sync: how the embedding's gradient is summed over the ranks (GraphedStep._embedding_row_exchange).
 EMBEDDING_GRAD_SYNC = ("auto", "rows", "table")
 
@@ -34,7 +39,9 @@ class GraphedStep(GraphReplayedStep):
     buffers; each later call copies the batch in and replays the graph. The loss stays on the device: the
     trainer reads it only when it prints. With `weight_gradient_stream` (the default) the graph holds two
     streams: the projections' weight-gradient GEMMs run beside the rest of the backward pass (this switches the
-    model's WeightGradientStream on or off).
+    model's WeightGradientStream on or off). With `main_stream_first` (the default) the main stream's kernels are
+    captured at a higher priority than the second stream's (CAPTURE_PRIORITY): where both have kernels waiting
+    for an SM, the block scheduler starts the main stream's, the critical path, first.
 
     The optimizer runs mostly inside the backward pass. TritonAdamW gets one parameter group per layer from the
     last down to layer 0 (the output head with the last), then the rest (the norms, then the embedding in a group of
@@ -74,8 +81,9 @@ class GraphedStep(GraphReplayedStep):
     """
 
     def __init__(self, model, optimizer, device, train, warmup_steps: int = 3, weight_gradient_stream=True,
-                 gradient_sync=None, embedding_grad_sync: str = "auto"):
+                 gradient_sync=None, embedding_grad_sync: str = "auto", main_stream_first: bool = True):
         super().__init__(model, optimizer, device, train, warmup_steps)
+        self.main_stream_first = main_stream_first
         if embedding_grad_sync not in EMBEDDING_GRAD_SYNC:
             raise ValueError(f"embedding_grad_sync must be one of {EMBEDDING_GRAD_SYNC}, got {embedding_grad_sync!r}")
         self.gradient_sync = gradient_sync
@@ -245,13 +253,27 @@ class GraphedStep(GraphReplayedStep):
                 self.model.join_weight_gradients()   # layers 1 and 0, updated on the second stream beside the rest
         return loss.detach()
 
+    def capture_stream(self):
+        """The stream the step is captured on: one of priority CAPTURE_PRIORITY with main_stream_first, else None
+        (torch.cuda.graph's own, of the default priority, the second stream's).
+
+        A captured kernel keeps the priority of the stream it was captured on, and PyTorch instantiates CUDA graphs
+        to run each kernel at that priority (cudaGraphInstantiateFlagUseNodePriority). Priority decides only which
+        waiting kernel's blocks the scheduler starts when an SM frees up; it stops nothing that is running. So the
+        weight GEMMs and updates of the second stream fill what the main stream leaves free instead of taking SMs
+        the next kernel of the backward pass waits for. (PyTorch instantiates HIP graphs without that flag: on
+        ROCm every kernel of the replay runs at the launching stream's priority, so this changes nothing there.)"""
+        if not self.main_stream_first:
+            return None
+        return torch.cuda.Stream(self.device, priority=CAPTURE_PRIORITY)
+
     def _capture(self, inputs, targets):
         self.static_inputs, self.static_targets = inputs.clone(), targets.clone()
         self.graph = torch.cuda.CUDAGraph()
         # Gradients set to None: the captured backward allocates them in the graph's memory pool and every
         # replay overwrites them in place, so no zero_grad is needed inside the graph.
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=self.capture_stream()):
             self.static_loss = self._step(self.static_inputs, self.static_targets)
         if hasattr(self.optimizer, "finish_capture"):   # TritonAdamW: the graph's gradient addresses
             self.optimizer.finish_capture()
@@ -290,5 +312,6 @@ def make_step(model, optimizer, device, train, args, gradient_sync=None):
     if uses_graph(args, device):
         return GraphedStep(model, optimizer, device, train, warmup_steps=args.graph_warmup_steps,
                            weight_gradient_stream=args.weight_grad_stream, gradient_sync=gradient_sync,
-                           embedding_grad_sync=args.embedding_grad_sync)
+                           embedding_grad_sync=args.embedding_grad_sync,
+                           main_stream_first=not args.equal_stream_priority)
     return EagerStep(model, optimizer, device, train)

@@ -5,6 +5,7 @@
     python profile_graphed_step.py --use-amp --batch-size 32 --seq-len 512 --top 20
     python profile_graphed_step.py --use-amp --preset small         (a size preset's model, batch and sequence)
     python profile_graphed_step.py --no-weight-grad-stream          (weight gradients on the main stream)
+    python profile_graphed_step.py --equal-stream-priority          (both streams at the same priority)
     python profile_graphed_step.py --rope-in-attention              (RoPE as attention loads q and k)
     python profile_graphed_step.py --rope-in-gemm                   (RoPE in the QKV GEMM at every size)
     python profile_graphed_step.py --use-amp --preset small --swiglu-in-gemms   (SwiGLU in the GEMMs' epilogues)
@@ -90,6 +91,8 @@ def parse_args(argv, prog: str = "profile_graphed_step.py"):
     parser.add_argument("--use-amp", action="store_true", help="bfloat16 autocast (default: float32 with TF32)")
     parser.add_argument("--no-weight-grad-stream", dest="weight_grad_stream", action="store_false",
                         help="weight-gradient GEMMs on the main stream (default: on a second stream)")
+    parser.add_argument("--equal-stream-priority", action="store_true",
+                        help="the main stream at the second stream's priority (default: above it)")
     add_rope_arguments(parser)
     add_swiglu_arguments(parser)
     parser.add_argument("--torch-adamw", action="store_true",
@@ -149,7 +152,8 @@ def build_step(args):
     model.use_separate_swiglu(args.separate_swiglu)
     model.cuda()
     step = graphed_step.GraphedStep(model, model.configure_optimizer(train), torch.device("cuda"), train,
-                                    weight_gradient_stream=args.weight_grad_stream)
+                                    weight_gradient_stream=args.weight_grad_stream,
+                                    main_stream_first=not args.equal_stream_priority)
     tokens = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len + 1), device="cuda")
     return step, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 

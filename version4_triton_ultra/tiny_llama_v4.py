@@ -37,7 +37,8 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      later step is a single graph replay: no Python, no per-kernel launch cost (graphed_step.py, the training
      step version 4's spec gives the harness; --no-cuda-graph to compare). Inside it, the weight-gradient GEMMs
      of the backward pass run on a second stream, at the same time as the rest of the backward pass
-     (WeightGradientStream in backward_overlap.py; --no-weight-grad-stream to compare). Once the backward
+     (WeightGradientStream in backward_overlap.py; --no-weight-grad-stream to compare), at a lower priority
+     than the main stream's (--equal-stream-priority to compare). Once the backward
      pass has left a layer, its projection weights (for the last layer, the output head's too) have their final
      gradients and nothing reads them any more: the optimizer updates them one layer later, on the second
      stream, while the main stream runs the backward pass of the layers below (CallDuringBackward, one
@@ -437,6 +438,9 @@ def add_arguments(group):
     group.add_argument("--no-weight-grad-stream", dest="weight_grad_stream", action="store_false", default=True,
                        help="in the graph-captured step, compute the weight gradients on the main stream instead "
                             "of a second one (to measure what the overlap saves)")
+    group.add_argument("--equal-stream-priority", action="store_true",
+                       help="in the graph-captured step, give the main stream no priority over the second one "
+                            "(to measure what the priority saves)")
     add_rope_arguments(group)
     add_swiglu_arguments(group)
     group.add_argument("--torch-adamw", action="store_true",
@@ -595,6 +599,8 @@ def describe(args) -> dict:
     step = "CUDA/HIP graph replay" if (on_gpu and args.cuda_graph) else "eager launches"
     if on_gpu and args.cuda_graph:
         step += ", weight gradients on " + ("a second stream" if args.weight_grad_stream else "the main stream")
+        if args.weight_grad_stream and not args.equal_stream_priority:
+            step += " of lower priority"
     if interpreter_active():
         step += " (in Triton's CPU interpreter: correct but slow)"
     rope = describe_rope(args)

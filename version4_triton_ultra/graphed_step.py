@@ -14,6 +14,13 @@ from tinytransformer.training.step import EagerStep
 # "The critical path first".
 CAPTURE_PRIORITY = -1
 
+
+def graph_priorities_apply() -> bool:
+    """Whether a replayed graph runs each kernel at the priority of the stream it was captured on: on CUDA, where
+    PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority; not on ROCm, where it instantiates
+    HIP graphs without it (every kernel of a replay then runs at the launching stream's priority)."""
+    return torch.version.hip is None
+
 # --embedding-grad-sync: how the embedding's gradient is summed over the ranks (GraphedStep._embedding_row_exchange).
 EMBEDDING_GRAD_SYNC = ("auto", "rows", "table")
 
@@ -254,16 +261,16 @@ class GraphedStep(GraphReplayedStep):
         return loss.detach()
 
     def capture_stream(self):
-        """The stream the step is captured on: one of priority CAPTURE_PRIORITY with main_stream_first, else None
-        (torch.cuda.graph's own, of the default priority, the second stream's).
+        """The stream the step is captured on: one of priority CAPTURE_PRIORITY with main_stream_first (on CUDA),
+        else None (torch.cuda.graph's own, of the default priority, the second stream's).
 
         A captured kernel keeps the priority of the stream it was captured on, and PyTorch instantiates CUDA graphs
         to run each kernel at that priority (cudaGraphInstantiateFlagUseNodePriority). Priority decides only which
         waiting kernel's blocks the scheduler starts when an SM frees up; it stops nothing that is running. So the
         weight GEMMs and updates of the second stream fill what the main stream leaves free instead of taking SMs
-        the next kernel of the backward pass waits for. (PyTorch instantiates HIP graphs without that flag: on
-        ROCm every kernel of the replay runs at the launching stream's priority, so this changes nothing there.)"""
-        if not self.main_stream_first:
+        the next kernel of the backward pass waits for. On ROCm the priority would not apply (graph_priorities_apply),
+        so the step is captured as with equal priorities."""
+        if not (self.main_stream_first and graph_priorities_apply()):
             return None
         return torch.cuda.Stream(self.device, priority=CAPTURE_PRIORITY)
 

@@ -599,7 +599,7 @@ def describe(args) -> dict:
     step = "CUDA/HIP graph replay" if (on_gpu and args.cuda_graph) else "eager launches"
     if on_gpu and args.cuda_graph:
         step += ", weight gradients on " + ("a second stream" if args.weight_grad_stream else "the main stream")
-        if args.weight_grad_stream and not args.equal_stream_priority:
+        if args.weight_grad_stream and not args.equal_stream_priority and graphed_step.graph_priorities_apply():
             step += " of lower priority"
     if interpreter_active():
         step += " (in Triton's CPU interpreter: correct but slow)"

@@ -10,8 +10,9 @@ from tinytransformer.training.captured_step import GraphReplayedStep, captures_s
 from tinytransformer.training.step import EagerStep
 
 # The main stream's priority in the captured step (GraphedStep.capture_stream). CUDA counts down: 0, every stream's
-# default and the second stream's, is the lowest; -1 is above it. What it buys, per preset: version 4's README,
-# "The critical path first".
+# default and the second stream's, is the lowest; -1 is above it. Under torchrun the collectives' high-priority
+# stream (distributed.nccl_options) stays above both: PyTorch gives it the top of its range, -3 where the device
+# allows. What it buys, per preset: version 4's README, "The critical path first".
 CAPTURE_PRIORITY = -1
 
 

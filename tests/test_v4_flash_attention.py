@@ -320,9 +320,9 @@ def test_the_attention_backend_comparison_needs_a_gpu_and_good_flags(flags):
 
 
 def test_attention_comparison_checks_gradients_and_catches_wrong_ones(device):
-    """compare_attention_backends.py checks each row's output and packed gradient against float64 attention: ours
-    (dq and dk rotated back by RoPE, turned forward for the check) and an SDPA row pass; our gradient taken as an
-    SDPA row's (not turned forward), or an output off by 10%, is caught."""
+    """compare_attention_backends.py checks each row's output, dq, dk and dv against float64 attention: ours (dq and
+    dk rotated back by RoPE, turned forward for the check) and an SDPA row pass; our gradient taken as an SDPA row's
+    (not turned forward), an output off by 10% or a dv off by 4% is caught."""
     from types import SimpleNamespace
 
     from torch.nn.attention import SDPBackend
@@ -331,10 +331,16 @@ def test_attention_comparison_checks_gradients_and_catches_wrong_ones(device):
     shape = compare.Shape(SimpleNamespace(batch=1, heads=2, seq_len=24, head_dim=16), torch.float32, device=device)
     want = compare.reference(shape)
     ours = compare.ours(shape)
-    assert compare.check(shape, "version 4 (Triton)", *ours, want)["verdict"] == "ok"
-    assert compare.check(shape, "sdpa: math", *compare.sdpa(shape, SDPBackend.MATH), want)["verdict"] == "ok"
-    not_turned = compare.check(shape, "sdpa: flash", *ours, want)
-    assert not_turned["verdict"].startswith("WRONG (grads") and not_turned["errors"]["out"] < 1e-3
+    assert compare.check(shape, *ours, want, rotated_back=True)["verdict"] == "ok"
+    assert compare.check(shape, *compare.sdpa(shape, SDPBackend.MATH), want, rotated_back=False)["verdict"] == "ok"
+    not_turned = compare.check(shape, *ours, want, rotated_back=False)
+    assert not_turned["verdict"].startswith("WRONG (dq") and "dv" not in not_turned["verdict"]
+    assert not_turned["errors"]["out"] < 1e-3
     forward, forward_backward = ours
-    off = compare.check(shape, "version 4 (Triton)", lambda: 1.1 * forward(), forward_backward, want)
-    assert off["verdict"].startswith("WRONG (out") and "grads" not in off["verdict"]
+    off = compare.check(shape, lambda: 1.1 * forward(), forward_backward, want, rotated_back=True)
+    assert off["verdict"].startswith("WRONG (out") and "dq" not in off["verdict"]
+
+    def dv_slightly_off():   # one of the three gradients 4% off, the others right: named in the verdict
+        grad = forward_backward()
+        return torch.cat([grad[..., :2 * shape.dim], 1.04 * grad[..., 2 * shape.dim:]], -1)
+    assert compare.check(shape, forward, dv_slightly_off, want, rotated_back=True)["verdict"].startswith("WRONG (dv")

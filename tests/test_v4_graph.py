@@ -40,23 +40,39 @@ def test_graph_replays_read_new_batches(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("equal", [False, True], ids=["main-stream-first", "equal-priority"])
 def test_the_main_stream_is_captured_above_the_second_stream(equal):
-    """GraphedStep captures the step on a stream of higher priority than the weight-gradient stream's, unless
-    --equal-stream-priority; the priority only orders the kernels, so both forms train to the same losses."""
-    from version4_triton_ultra import profile_graphed_step
+    """GraphedStep records the step on a stream of higher priority than the weight-gradient stream's where replayed
+    graphs honour it, and at the second stream's priority with --equal-stream-priority (or where they do not)."""
+    from version4_triton_ultra import graphed_step, profile_graphed_step
     flags = ["--steps", "1"] + (["--equal-stream-priority"] if equal else [])
     step, inputs, targets = profile_graphed_step.build_step(profile_graphed_step.parse_args(flags))
-    second_stream = step.model.weight_grad_stream.stream
-    if equal:
-        assert step.capture_stream() is None
-    else:
-        assert step.capture_stream().priority < second_stream.priority   # CUDA counts down: lower is sooner
-    torch.manual_seed(0)
+    record_step, priorities = step._step, []
+
+    def recording_step(*args):   # the priority of the stream the capture really records on
+        if torch.cuda.is_current_stream_capturing():
+            priorities.append(torch.cuda.current_stream().priority)
+        return record_step(*args)
+    step._step = recording_step
     losses = [step(inputs, targets).item() for _ in range(8)]   # 3 eager steps, the capture, replays
+    second_stream = step.model.weight_grad_stream.stream.priority
+    above = not equal and graphed_step.graph_priorities_apply()
+    assert priorities == [graphed_step.CAPTURE_PRIORITY if above else second_stream]
+    assert not above or graphed_step.CAPTURE_PRIORITY < second_stream   # CUDA counts down: lower starts sooner
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("torch_version, hip, applies", [
+    ("2.9.1+cu128", None, False),        # before PyTorch instantiated graphs with per-kernel priorities
+    ("2.10.0", None, True), ("2.10.0a0+git1234", None, True), ("2.11.0+cu130", None, True),
+    ("2.13.0+rocm6.4", "6.4.1", False),   # HIP graphs: instantiated without per-kernel priorities
+])
+def test_stream_priorities_apply_on_cuda_from_torch_2_10(torch_version, hip, applies):
+    from version4_triton_ultra.graphed_step import node_priorities_in
+    assert node_priorities_in(torch_version, hip) is applies
 
 
 @pytest.mark.gpu
 def test_stream_priority_changes_no_loss(tmp_path):
+    """The priority only orders kernels that may run side by side: the losses are those of equal priorities."""
     first = losses_of(tmp_path, "first", ["--cuda-graph", "--use-amp", "--amp-dtype", "bfloat16"])
     equal = losses_of(tmp_path, "equal", ["--cuda-graph", "--use-amp", "--amp-dtype", "bfloat16",
                                           "--equal-stream-priority"])
@@ -240,12 +256,13 @@ def test_header_on_the_cpu_says_exact_float32_in_the_interpreter(tf32, monkeypat
         assert "interpreter" in info["matmuls"] and "interpreter" in info["step"] and "graph" not in info["step"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(v4, "interpreter_active", lambda: False)
+    monkeypatch.setattr(v4.graphed_step, "graph_priorities_apply", lambda: True)
     gpu = v4.describe(v4_args(tf32=tf32))
     assert gpu["matmuls"] == ("TF32 tensor cores for float32" if tf32 else "exact float32")
     assert gpu["step"].startswith("CUDA/HIP graph replay") and gpu["step"].endswith("a second stream of lower priority")
     equal = v4.describe(v4_args(tf32=tf32, equal_stream_priority=True))["step"]
     assert equal.endswith("a second stream"), equal
-    monkeypatch.setattr(torch.version, "hip", "6.2")   # ROCm: HIP graphs run every kernel at one priority
+    monkeypatch.setattr(v4.graphed_step, "graph_priorities_apply", lambda: False)   # ROCm, or torch before 2.10
     assert v4.describe(v4_args(tf32=tf32))["step"].endswith("a second stream")
 
 

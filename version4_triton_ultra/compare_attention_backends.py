@@ -21,9 +21,9 @@ interleaved rounds (median; tinytransformer/kernel_bench/graph_timing.py). TFLOP
 the two matmuls of the forward (4 * B * H * S^2 * Dh / 2) and 2.5 times that for the backward. The sdpa rows'
 forward + backward include what autograd adds around the kernels (gathering dq, dk and dv into the packed gradient).
 Each row is checked before it is timed, against float64 attention of the same q, k and v (PyTorch's math
-backend and autograd): its output, and its gradient of the packed qkv, within the dtype's tolerance of the kernel
-tests (relative error of the whole tensor). Our backward returns dq and dk rotated back by RoPE; the check turns
-them forward again before comparing (the rotation is orthogonal: nothing is lost). Needs a GPU.
+backend and autograd): its output, dq, dk and dv, each within the dtype's tolerance of the kernel tests (relative
+error of the whole tensor). Our backward returns dq and dk rotated back by RoPE; the check turns them forward
+again before comparing (the rotation is orthogonal: nothing is lost). Needs a GPU.
 """
 import sys
 from pathlib import Path
@@ -129,18 +129,15 @@ def cudnn_then_ours(shape):
     return (lambda: cudnn_forward()[0]), forward_backward
 
 
-# The rows whose backward is ours: it returns dq and dk rotated back by RoPE (version 4's step needs the gradient
-# of the q and k its QKV GEMM wrote before rotating them).
-ROTATED_BACK = {"version 4 (Triton)", "cudnn forward + version 4 backward"}
-
-
 def rows_of(shape) -> dict:
+    """{row: (builder of its forward and forward + backward, whether its backward is ours)}. Ours returns dq and dk
+    rotated back by RoPE: version 4's step needs the gradient of the q and k its QKV GEMM wrote before rotating."""
     from torch.nn.attention import SDPBackend
-    return {"version 4 (Triton)": lambda: ours(shape),
-            "sdpa: flash": lambda: sdpa(shape, SDPBackend.FLASH_ATTENTION),
-            "sdpa: cudnn": lambda: sdpa(shape, SDPBackend.CUDNN_ATTENTION),
-            "sdpa: efficient": lambda: sdpa(shape, SDPBackend.EFFICIENT_ATTENTION),
-            "cudnn forward + version 4 backward": lambda: cudnn_then_ours(shape)}
+    return {"version 4 (Triton)": (lambda: ours(shape), True),
+            "sdpa: flash": (lambda: sdpa(shape, SDPBackend.FLASH_ATTENTION), False),
+            "sdpa: cudnn": (lambda: sdpa(shape, SDPBackend.CUDNN_ATTENTION), False),
+            "sdpa: efficient": (lambda: sdpa(shape, SDPBackend.EFFICIENT_ATTENTION), False),
+            "cudnn forward + version 4 backward": (lambda: cudnn_then_ours(shape), True)}
 
 
 def reference(shape):
@@ -160,13 +157,17 @@ def turned_forward(shape, grad_qkv):
     return torch.cat([shape.packed(rotate(q, cos, sin)), shape.packed(rotate(k, cos, sin)), shape.packed(v)], -1)
 
 
-def check(shape, name, forward, forward_backward, want) -> dict:
-    """The row's relative errors (out, grads) against `want` = reference(shape), and its verdict."""
+def check(shape, forward, forward_backward, want, rotated_back: bool) -> dict:
+    """The row's relative errors against `want` = reference(shape): of out, and of dq, dk and dv each (as the kernel
+    tests check them: one error over the packed gradient would let a wrong third hide beside two right ones);
+    rotated_back: the row's dq and dk come rotated back by RoPE (ours), so they are turned forward first."""
     want_out, want_grad = want
     grad = forward_backward()
-    if name in ROTATED_BACK:
+    if rotated_back:
         grad = turned_forward(shape, grad)
-    errors = {"out": relative_error(forward(), want_out), "grads": relative_error(grad, want_grad)}
+    errors = {"out": relative_error(forward(), want_out)}
+    for name, got, expected in zip(("dq", "dk", "dv"), grad.split(shape.dim, -1), want_grad.split(shape.dim, -1)):
+        errors[name] = relative_error(got, expected)
     tolerance = TOLERANCE[shape.qkv.dtype]
     wrong = [f"{what} {error:.1e}" for what, error in errors.items() if not error <= tolerance]
     return {"errors": errors, "verdict": "ok" if not wrong else "WRONG (" + ", ".join(wrong) + ")"}
@@ -179,10 +180,10 @@ def main(argv=None) -> int:
     shape = Shape(args, dtype)
     want = reference(shape)
     runs, checks, unavailable = {}, {}, {}
-    for name, build in rows_of(shape).items():
+    for name, (build, rotated_back) in rows_of(shape).items():
         try:
             forward, forward_backward = build()
-            checks[name] = check(shape, name, forward, forward_backward, want)
+            checks[name] = check(shape, forward, forward_backward, want, rotated_back)
             graphs = (captured_launches(forward, CALLS_PER_GRAPH), captured_launches(forward_backward, CALLS_PER_GRAPH))
             # A graph does not keep the tensors it reads alive (sdpa's leaf copy of qkv lives in its closures):
             # each timing keeps its row's closures, so that no replay reads memory handed to someone else.

@@ -12,15 +12,27 @@ from tinytransformer.training.step import EagerStep
 # The main stream's priority in the captured step (GraphedStep.capture_stream). CUDA counts down: 0, every stream's
 # default and the second stream's, is the lowest; -1 is above it. Under torchrun the collectives' high-priority
 # stream (distributed.nccl_options) stays above both: PyTorch gives it the top of its range, -3 where the device
-# allows. What it buys, per preset: version 4's README, "The critical path first".
+# allows (unless TORCH_NCCL_HIGH_PRIORITY=0: then it sits with the second stream). What it buys, per preset:
+# version 4's README, "The critical path first".
 CAPTURE_PRIORITY = -1
+
+# The first PyTorch release whose CUDA graphs run each kernel at the priority it was captured with.
+NODE_PRIORITY_TORCH = (2, 10)
 
 
 def graph_priorities_apply() -> bool:
-    """Whether a replayed graph runs each kernel at the priority of the stream it was captured on: on CUDA, where
-    PyTorch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority; not on ROCm, where it instantiates
-    HIP graphs without it (every kernel of a replay then runs at the launching stream's priority)."""
-    return torch.version.hip is None
+    """Whether this PyTorch build's replayed graphs run each kernel at the priority of the stream it was captured
+    on (node_priorities_in)."""
+    return node_priorities_in(torch.__version__, torch.version.hip)
+
+
+def node_priorities_in(torch_version: str, hip_version) -> bool:
+    """On CUDA from PyTorch 2.10, which instantiates graphs with cudaGraphInstantiateFlagUseNodePriority (before it,
+    every kernel of a replay ran at the launching stream's priority); not on ROCm (hip_version set), where PyTorch
+    instantiates HIP graphs without that flag."""
+    major_minor = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    return hip_version is None and major_minor >= NODE_PRIORITY_TORCH
+
 
 # --embedding-grad-sync: how the embedding's gradient is summed over the ranks (GraphedStep._embedding_row_exchange).
 EMBEDDING_GRAD_SYNC = ("auto", "rows", "table")
@@ -269,8 +281,8 @@ class GraphedStep(GraphReplayedStep):
         to run each kernel at that priority (cudaGraphInstantiateFlagUseNodePriority). Priority decides only which
         waiting kernel's blocks the scheduler starts when an SM frees up; it stops nothing that is running. So the
         weight GEMMs and updates of the second stream fill what the main stream leaves free instead of taking SMs
-        the next kernel of the backward pass waits for. On ROCm the priority would not apply (graph_priorities_apply),
-        so the step is captured as with equal priorities."""
+        the next kernel of the backward pass waits for. Where the priority would not apply (ROCm, PyTorch before
+        2.10: graph_priorities_apply), the step is captured as with equal priorities."""
         if not (self.main_stream_first and graph_priorities_apply()):
             return None
         return torch.cuda.Stream(self.device, priority=CAPTURE_PRIORITY)

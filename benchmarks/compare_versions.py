@@ -30,11 +30,17 @@ next. Within one run the median absorbs such spells; between runs it cannot, so 
 skews the ratios. With --repeats N every variant runs N times, in rounds (v1, v2, ..., v4, then v1 again, ...),
 so a slow spell hits all variants alike, and each reported row is the variant's run with the median samples/s;
 all N throughputs are kept in the row (`repeats_samples_per_s`).
+
+Why one cuBLAS setting for every row: version 4's training script runs cuBLAS without a workspace, which spares
+a memset before each of many Hopper GEMMs (tinytransformer/cublas_workspace.py). Any script can have that through
+an environment variable, so with --cublas-workspace none (the default) every run gets it, exported here; with
+default every run keeps cuBLAS's own workspace (version 4's rows are told so). The JSON records which.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -49,6 +55,9 @@ sys.path.insert(0, str(REPO_ROOT))  # the shared harness: result files and prese
 
 from tinytransformer.cli import OneLineParser, non_negative_int, positive_int, seed_int  # noqa: E402
 from tinytransformer.config import ConfigError, load_yaml, preset_path  # noqa: E402
+from tinytransformer.cublas_workspace import CHOICES as CUBLAS_WORKSPACE_CHOICES  # noqa: E402
+from tinytransformer.cublas_workspace import VARIABLE as CUBLAS_WORKSPACE_VARIABLE  # noqa: E402
+from tinytransformer.cublas_workspace import without_workspace  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
 from tinytransformer.paths import prove_outputs  # noqa: E402
 
@@ -142,6 +151,9 @@ def parse_args(argv):
     parser.add_argument("--resume", action="store_true",
                         help="keep the successful runs already in --output and run only the missing ones")
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument("--cublas-workspace", choices=CUBLAS_WORKSPACE_CHOICES, default="none",
+                        help="the cuBLAS workspace of every row, one setting for all (see 'Why one cuBLAS setting'): "
+                             "none, the default (no memset before each GEMM), or cuBLAS's default")
     parser.add_argument("extra", nargs="*", help="flags passed to every run, after --")
     args = parser.parse_args(argv)
     args.configs = preset_configs(args, parser.error) if args.preset else None
@@ -167,7 +179,7 @@ def parse_args(argv):
 
 
 # The settings a resumed run must share with the file it continues, or its rows would not be comparable.
-RESUME_KEYS = ("preset", "dtype", "num_steps", "warmup_steps", "repeats")
+RESUME_KEYS = ("preset", "dtype", "num_steps", "warmup_steps", "repeats", "cublas_workspace")
 
 
 def earlier_rows(args, parser_error) -> tuple[list, list]:
@@ -180,6 +192,7 @@ def earlier_rows(args, parser_error) -> tuple[list, list]:
         earlier = json.loads(path.read_text())
         earlier.setdefault("repeats", 1)   # files written before --repeats existed
         earlier.setdefault("preset", None)   # ... and before --preset
+        earlier.setdefault("cublas_workspace", "default")   # ... and before --cublas-workspace
         mismatched = [k for k in RESUME_KEYS if earlier[k] != getattr(args, k)]
         rows = [r for r in earlier.get("runs", earlier["rows"]) if "error" not in r]
         commands = [earlier["command"], *earlier.get("resumed_by", [])]
@@ -208,10 +221,14 @@ def main(argv=None) -> int:
     command = shlex.join(["python", "benchmarks/compare_versions.py", *(sys.argv[1:] if argv is None else argv)])
     runs, commands = earlier_rows(args, fail) if args.resume else ([], [])
     from tinytransformer.device import software_and_gpu   # imports torch: only once the flags are checked
+    if args.cublas_workspace == "none":
+        without_workspace()   # exported to every run (this process runs no GEMM itself)
     results = {"command": commands[0] if commands else command, "environment": software_and_gpu(),
                "preset": args.preset, "dtype": args.dtype, "num_steps": args.num_steps,
-               "warmup_steps": args.warmup_steps,
-               "repeats": args.repeats, "rows": rows_of(runs, args.repeats)}
+               "warmup_steps": args.warmup_steps, "repeats": args.repeats,
+               "cublas_workspace": args.cublas_workspace,
+               "cublas_workspace_config": os.environ.get(CUBLAS_WORKSPACE_VARIABLE),   # None: cuBLAS's default
+               "rows": rows_of(runs, args.repeats)}
     if args.repeats > 1:
         results["runs"] = runs   # every single run (the list grows below), beside the median rows
     if commands:

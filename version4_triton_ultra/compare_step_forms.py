@@ -15,6 +15,10 @@ The table gives each form's median over the rounds, every round, and its time re
 Every form keeps its model, optimizer state and graph on the GPU while the others run (about 23 GB each at the
 large preset in bfloat16). The forms use one fixed batch; their losses are not compared here (the equivalence
 tests do that: tests/test_versions.py, V4_SWITCHES). Needs a GPU (CUDA or ROCm).
+
+Not a form: `--cublas-workspace` (profile_graphed_step.py's flag, the training script's default none). cuBLAS reads
+its workspace size once per process, so every form here shares it; its two settings are compared by separate runs,
+taking turns (benchmarks/results/kernel_time/h200_v4_cublas_workspace.json).
 """
 import statistics
 import sys

@@ -10,6 +10,7 @@
     python profile_graphed_step.py --rope-in-gemm                   (RoPE in the QKV GEMM at every size)
     python profile_graphed_step.py --use-amp --preset small --swiglu-in-gemms   (SwiGLU in the GEMMs' epilogues)
     python profile_graphed_step.py --use-amp --torch-adamw          (torch's fused AdamW + a separate weight copy)
+    python profile_graphed_step.py --use-amp --cublas-workspace default   (a memset before many of cuBLAS's GEMMs)
 
 The training script (tiny_llama_v4.py) times the whole loop: the graph replay plus the copy of each batch into
 the graph's input buffers. This script builds the same model and the same GraphedStep, replays it on one fixed
@@ -37,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from tinytransformer.cli import OneLineParser, positive_int  # noqa: E402
 from tinytransformer.config import ModelConfig, TrainConfig, available_presets, preset_settings  # noqa: E402
+from tinytransformer.cublas_workspace import (  # noqa: E402
+    add_cublas_workspace_argument, apply_cublas_workspace_argument)
 from tinytransformer.precision import set_tf32  # noqa: E402
 
 
@@ -98,6 +101,7 @@ def parse_args(argv, prog: str = "profile_graphed_step.py"):
     parser.add_argument("--torch-adamw", action="store_true",
                         help="torch.optim.AdamW(fused=True) and a separate bfloat16 weight copy (default: version "
                              "4's Triton AdamW, which writes the copies)")
+    add_cublas_workspace_argument(parser)
     parser.add_argument("--steps", type=positive_int, default=200, help="timed replays [200]")
     parser.add_argument("--top", type=positive_int, default=45, help="kernel rows to print [45]")
     args = resolve_sizes(parser.parse_args(argv))
@@ -142,6 +146,9 @@ def build_step(args):
     """The model, its optimizer and version 4's GraphedStep, as the training script builds them."""
     from version4_triton_ultra import graphed_step
     from version4_triton_ultra import tiny_llama_v4 as v4
+    # The training script's cuBLAS setting, before the process's first GEMM: it holds for every step built in this
+    # process (compare_step_forms.py builds several; their forms share it).
+    apply_cublas_workspace_argument(args, torch.device("cuda"))
     set_tf32(True)    # the training script's default (--tf32)
     config, train = model_config(args), train_config(args)
     model = v4.TinyLlama(config)

@@ -71,6 +71,8 @@ enable_interpreter_if_no_gpu()  # must precede the first `import triton` (inside
 from tinytransformer import distributed  # noqa: E402
 from tinytransformer.cli import VersionSpec, build_parser, resolve_configs, run  # noqa: E402
 from tinytransformer.config import ConfigError, ModelConfig, head_dim_advice  # noqa: E402
+from tinytransformer.cublas_workspace import (  # noqa: E402
+    add_cublas_workspace_argument, apply_cublas_workspace_argument, describe_cublas_workspace)
 from tinytransformer.precision import (  # noqa: E402
     add_tf32_arguments, apply_tf32_argument, describe_float32_matmuls)
 from tinytransformer.profiling.ranges import profile_range  # noqa: E402
@@ -435,6 +437,7 @@ def add_arguments(group):
     group.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                        help="launch every kernel from Python each step (to measure what the graph saves)")
     add_tf32_arguments(group)
+    add_cublas_workspace_argument(group)
     group.add_argument("--no-weight-grad-stream", dest="weight_grad_stream", action="store_false", default=True,
                        help="in the graph-captured step, compute the weight gradients on the main stream instead "
                             "of a second one (to measure what the overlap saves)")
@@ -567,6 +570,7 @@ def check_arguments(args, device):
     if problem:
         raise ConfigError(problem)
     apply_tf32_argument(args, device)
+    apply_cublas_workspace_argument(args, device)   # before the run's first GEMM
 
 
 def build_model(config, args):
@@ -622,6 +626,9 @@ def describe(args) -> dict:
     matmuls = describe_float32_matmuls(
         args, on_gpu, on_cpu="exact float32 in PyTorch and Triton's CPU interpreter (TF32, --tf32, is for NVIDIA GPUs)")
     info = {"step": step, "matmuls": matmuls, "RoPE": rope, "SwiGLU": swiglu, "optimizer": optimizer}
+    workspace = describe_cublas_workspace(on_gpu)
+    if workspace:
+        info["cuBLAS workspace"] = workspace
     graphed = on_gpu and graphed_step.uses_graph(args, torch.device("cuda"))
     if graphed and distributed.launched_by_torchrun() and not with_deepspeed:
         info["embed grad"] = embedding_grad_sync_of_args(args)

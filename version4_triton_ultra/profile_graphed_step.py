@@ -20,7 +20,10 @@ batch, and reports
      runs per step, its mean duration and its total per step, largest first; plus the sum over all kernels and
      the device time from the first kernel to the last (under the profiler, so larger than the median of 1);
   3. the same kernel time summed per family (attention, vendor GEMMs, the QKV and feed-forward GEMMs with fused
-     epilogues, norms, loss, optimizer, embedding, other), largest first.
+     epilogues, norms, loss, optimizer, embedding, other), largest first;
+  4. the time in which no kernel of any stream ran (GPU idle), and its gaps of 2 us or more grouped by the kernels
+     around them, largest first: where the step waits on something other than a kernel (a memset node, a
+     dependency between streams, the launch of the next kernel).
 That table is where the "what is left" of version 4 is read: GEMMs, attention, norms, the optimizer, casts.
 With the weight-gradient stream (the default) kernels of the two streams overlap, and each one runs slower than
 alone: per-kernel times then add up to more than the step. `--no-weight-grad-stream` gives the cleaner split.
@@ -61,6 +64,10 @@ KERNEL_FAMILIES = (
     ("optimizer and weight copies", r"multi_tensor_apply|adamw"),
     ("embedding", r"embedding|gather|indexFunc"),   # since the first norm does the lookup: none in version 4
 )
+
+
+# Rows of the idle-gap table (see idle_gaps).
+IDLE_ROWS = 6
 
 
 def kernel_family(name: str) -> str:
@@ -178,22 +185,53 @@ def median_step_ms(step, inputs, targets, steps: int) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def kernel_table(step, inputs, targets, replays: int = 10) -> tuple[list, float, float]:
-    """([(name, launches per step, mean us, us per step)], sum of kernel time per step, device span per step)."""
+def profiled_kernels(step, inputs, targets, replays: int = 10) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every kernel, memset and copy of `replays` replays under the PyTorch profiler,
+    all streams, in order of start."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             step(inputs, targets)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]   # HIP kernels are "CUDA" too
+    return sorted(((e.name, e.time_range.start, e.time_range.end) for e in kernels), key=lambda k: k[1])
+
+
+def kernel_table(kernels, replays: int) -> tuple[list, float, float]:
+    """([(name, launches per step, mean us, us per step)], sum of kernel time per step, device span per step)."""
     per_name = defaultdict(lambda: [0, 0.0])
-    for event in kernels:
-        per_name[event.name][0] += 1
-        per_name[event.name][1] += event.device_time
+    for name, start, end in kernels:
+        per_name[name][0] += 1
+        per_name[name][1] += end - start
     rows = sorted(((name, count / replays, total / count, total / replays)
                    for name, (count, total) in per_name.items()), key=lambda row: -row[3])
-    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / replays
+    span = (max(end for _, _, end in kernels) - min(start for _, start, _ in kernels)) / replays
     return rows, sum(row[3] for row in rows), span
+
+
+def idle_gaps(kernels, replays: int, min_gap_us: float = 2.0) -> tuple[float, list]:
+    """Time in which no kernel of any stream ran: (idle us per step, [(us per step, gaps per step, kernel before,
+    kernel after)] of the gaps of at least min_gap_us, grouped by the kernels around them, largest first).
+
+    The kernels of all streams are merged on one time line; a gap is time between two busy stretches. The first
+    replay is left out: the profiler's start shows up there as a gap that a training run does not have."""
+    kernels = sorted(kernels, key=lambda k: k[1])
+    if replays > 1:
+        kernels, replays = kernels[len(kernels) // replays:], replays - 1
+    idle, grouped = 0.0, defaultdict(lambda: [0.0, 0])
+    busy_until, last_name = None, None   # the end of the current busy stretch, and the kernel that ends it
+    for name, start, end in kernels:
+        if busy_until is not None and start > busy_until:
+            gap = start - busy_until
+            idle += gap
+            if gap >= min_gap_us:
+                grouped[(last_name, name)][0] += gap
+                grouped[(last_name, name)][1] += 1
+        if busy_until is None or end > busy_until:
+            busy_until, last_name = end, name
+    rows = sorted(((total / replays, count / replays, before, after)
+                   for (before, after), (total, count) in grouped.items()), key=lambda row: -row[0])
+    return idle / replays, rows
 
 
 def main(argv=None) -> int:
@@ -204,7 +242,9 @@ def main(argv=None) -> int:
     model = f"preset {args.preset}" if args.preset else "seed model"
     print(f"{torch.cuda.get_device_name()}, {model}, batch {args.batch_size}, seq {args.seq_len}, {precision}: "
           f"median {ms * 1000:.1f} us per step = {args.batch_size / ms * 1000:,.0f} samples/s")
-    rows, total_us, span_us = kernel_table(step, inputs, targets)
+    replays = 10
+    kernels = profiled_kernels(step, inputs, targets, replays)
+    rows, total_us, span_us = kernel_table(kernels, replays)
     launches = sum(row[1] for row in rows)
     print(f"under the profiler: {launches:.0f} kernels per step, {total_us:.1f} us of kernel time, "
           f"{span_us:.1f} us from first kernel to last")
@@ -214,6 +254,12 @@ def main(argv=None) -> int:
     print(f"{'us/step':>9} {'share':>8}  kernel family")
     for family, step_us in family_totals(rows):
         print(f"{step_us:9.1f} {step_us / total_us:8.1%}  {family}")
+    idle_us, gaps = idle_gaps(kernels, replays)
+    print(f"GPU idle (no kernel of any stream running), replays 2-{replays}: {idle_us:.1f} us a step; gaps of 2 us "
+          f"or more by the kernels around them:")
+    print(f"{'us/step':>9} {'gaps':>6}  kernel before -> kernel after")
+    for gap_us, count, before, after in gaps[:IDLE_ROWS]:
+        print(f"{gap_us:9.1f} {count:6.1f}  {before[:50]} -> {after[:50]}")
     return 0
 
 

@@ -179,7 +179,7 @@ def parse_args(argv):
 
 
 # The settings a resumed run must share with the file it continues, or its rows would not be comparable.
-RESUME_KEYS = ("preset", "dtype", "num_steps", "warmup_steps", "repeats", "cublas_workspace")
+RESUME_KEYS = ("preset", "dtype", "num_steps", "warmup_steps", "repeats", "cublas_workspace_config")
 
 
 def earlier_rows(args, parser_error) -> tuple[list, list]:
@@ -192,7 +192,7 @@ def earlier_rows(args, parser_error) -> tuple[list, list]:
         earlier = json.loads(path.read_text())
         earlier.setdefault("repeats", 1)   # files written before --repeats existed
         earlier.setdefault("preset", None)   # ... and before --preset
-        earlier.setdefault("cublas_workspace", "default")   # ... and before --cublas-workspace
+        earlier.setdefault("cublas_workspace_config", None)   # ... and before --cublas-workspace (cuBLAS's default)
         mismatched = [k for k in RESUME_KEYS if earlier[k] != getattr(args, k)]
         rows = [r for r in earlier.get("runs", earlier["rows"]) if "error" not in r]
         commands = [earlier["command"], *earlier.get("resumed_by", [])]
@@ -219,15 +219,17 @@ def main(argv=None) -> int:
     if args.machine_note:
         print(args.machine_note, flush=True)
     command = shlex.join(["python", "benchmarks/compare_versions.py", *(sys.argv[1:] if argv is None else argv)])
-    runs, commands = earlier_rows(args, fail) if args.resume else ([], [])
-    from tinytransformer.device import software_and_gpu   # imports torch: only once the flags are checked
     if args.cublas_workspace == "none":
         without_workspace()   # exported to every run (this process runs no GEMM itself)
+    # What every run's cuBLAS gets (None: its default workspace), which a resumed run must share.
+    args.cublas_workspace_config = os.environ.get(CUBLAS_WORKSPACE_VARIABLE)
+    runs, commands = earlier_rows(args, fail) if args.resume else ([], [])
+    from tinytransformer.device import software_and_gpu   # imports torch: only once the flags are checked
     results = {"command": commands[0] if commands else command, "environment": software_and_gpu(),
                "preset": args.preset, "dtype": args.dtype, "num_steps": args.num_steps,
                "warmup_steps": args.warmup_steps, "repeats": args.repeats,
                "cublas_workspace": args.cublas_workspace,
-               "cublas_workspace_config": os.environ.get(CUBLAS_WORKSPACE_VARIABLE),   # None: cuBLAS's default
+               "cublas_workspace_config": args.cublas_workspace_config,
                "rows": rows_of(runs, args.repeats)}
     if args.repeats > 1:
         results["runs"] = runs   # every single run (the list grows below), beside the median rows

@@ -46,7 +46,7 @@ def variant_command(label: str, args, config: tuple, json_path: Path, out_dir: P
     command = [sys.executable, str(REPO_ROOT / SCRIPTS[script]),
                "--num-steps", str(args.num_steps), "--warmup-steps", str(args.warmup_steps),
                "--seed", str(args.seed), "--log-every", str(args.num_steps), "--output-json", str(json_path), *extra]
-    if script == "v4" and getattr(args, "cublas_workspace", "none") == "default":
+    if script == "v4" and args.cublas_workspace == "default":
         command += ["--cublas-workspace", "default"]   # version 4's own default is none (compare_versions.py)
     if args.profile:
         command += ["--enable-pytorch-profiler", "--profile-steps", "2",

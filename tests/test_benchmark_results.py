@@ -1,5 +1,6 @@
 """The README's result table is generated from the committed benchmark JSON, and matches it."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,9 @@ def test_resume_runs_only_what_is_missing(tmp_path):
     assert [r["variant"] for r in results["rows"]] == ["v1", "v2"]
     assert results["rows"][0]["wall_s"] == v1_row["wall_s"]            # kept, not run again
     assert "--resume" in results["resumed_by"][0] and "--resume" not in results["command"]
+    # Every run got no cuBLAS workspace (the default), unless the environment chose one: the file says which.
+    assert results["cublas_workspace"] == "none"
+    assert results["cublas_workspace_config"] == os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":0:0")
 
 
 def test_resume_refuses_a_file_measured_differently(tmp_path):
@@ -156,6 +160,12 @@ def test_resume_refuses_a_file_measured_differently(tmp_path):
     result = compare("--variants", "v1", "--output", str(out), "--resume", *TINY_MODEL)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "dtype (bfloat16 there, float32 here)" in result.stderr
+    # A file from before --cublas-workspace was measured with cuBLAS's own workspace: not continued without one.
+    out.write_text(json.dumps({"command": "python benchmarks/compare_versions.py", "dtype": "float32",
+                               "num_steps": 3, "warmup_steps": 1, "rows": []}))
+    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:   # one exported here would be what "none" gives every run
+        result = compare("--variants", "v1", "--output", str(out), "--resume", *TINY_MODEL)
+        assert result.returncode == 2 and "cublas_workspace_config (None there, :0:0 here)" in result.stderr
 
 
 def test_repeats_run_in_rounds_and_report_the_median_run(tmp_path):

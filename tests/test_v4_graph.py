@@ -278,31 +278,34 @@ def test_cpu_run_header_has_no_tf32_claim(tmp_path, capsys):
 
 
 def test_idle_gaps_are_time_with_no_kernel_of_any_stream_by_the_kernels_around_them():
-    """Three replays of a made-up step: a norm, beside it a weight GEMM of another stream, a memset, a GEMM. Only
-    replays 2 and 3 count (the first one's start is the profiler's); a gap is time that no stream's kernel covers,
-    named by the kernel that ended last before it and the one that starts it."""
+    """Three replays of a made-up step: a norm, beside it a weight GEMM of another stream, a memset, a GEMM. A gap
+    is time that no stream's kernel covers, named by the kernel that ended last before it and the one that starts
+    it; per step means over the three replays."""
     from version4_triton_ultra.profile_graphed_step import idle_gaps, kernel_table
 
     def replay(t):
         return [("norm", t, t + 10), ("wgrad", t + 5, t + 12), ("memset", t + 14, t + 15), ("gemm", t + 19, t + 40)]
     kernels = replay(200) + replay(0) + replay(100)   # any order
     idle_us, rows = idle_gaps(kernels, replays=3)
-    # Per replay: 2 us before the memset, 4 us after it; and 60 us once between replays 2 and 3.
-    assert idle_us == pytest.approx((2 + 4) + 60 / 2)
-    assert rows == [(30.0, 0.5, "gemm", "norm"), (4.0, 1.0, "memset", "gemm"), (2.0, 1.0, "wgrad", "memset")]
-    assert idle_gaps(kernels, replays=3, min_gap_us=3.0)[1][-1][2:] == ("memset", "gemm")   # the 2 us gap left out
+    # Per replay: 2 us before the memset, 4 us after it; and 60 us between replays 1 and 2 and between 2 and 3.
+    assert idle_us == pytest.approx((2 + 4) + 2 * 60 / 3)
+    assert rows == [(40.0, pytest.approx(2 / 3), "gemm", "norm"), (4.0, 1.0, "memset", "gemm"),
+                    (2.0, 1.0, "wgrad", "memset")]
+    assert idle_gaps(kernels, replays=3, min_gap_us=3.0)[1][-1][2:] == ("memset", "gemm")   # the 2 us gaps left out
     table, total_us, span_us = kernel_table(kernels, replays=3)
     assert table[0] == ("gemm", 1.0, 21.0, 21.0) and total_us == pytest.approx(10 + 7 + 1 + 21)
     assert span_us == pytest.approx(240 / 3)
 
 
 def test_profile_graphed_step_prints_its_tables_and_the_idle_gaps(monkeypatch, capsys):
-    """main() end to end with the GPU parts replaced (parse_args, the step, its timing and profile)."""
+    """main() end to end with the GPU parts replaced (parse_args, the step, its timing and profile): 10 replays of
+    a norm, a memset and a GEMM, 50 us apart."""
     from types import SimpleNamespace
     from version4_triton_ultra import profile_graphed_step as pgs
     args = SimpleNamespace(use_amp=True, preset="medium", batch_size=16, seq_len=512, steps=5, top=3)
-    kernels = [(name, t + start, t + end) for t in (0, 50, 100) for name, start, end in
+    kernels = [(name, t + start, t + end) for t in range(0, 500, 50) for name, start, end in
                (("_add_rms_norm_forward_kernel", 0, 10), ("Memset (Device)", 14, 15), ("nvjet_sm90_gemm", 19, 40))]
+    assert pgs.PROFILED_REPLAYS == 10
     monkeypatch.setattr(pgs, "parse_args", lambda argv: args)
     monkeypatch.setattr(pgs, "build_step", lambda parsed: ("step", None, None))
     monkeypatch.setattr(pgs, "median_step_ms", lambda *call, **steps: 0.04)
@@ -310,6 +313,9 @@ def test_profile_graphed_step_prints_its_tables_and_the_idle_gaps(monkeypatch, c
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "a GPU")
     assert pgs.main([]) == 0
     out = capsys.readouterr().out
-    assert "median 40.0 us per step" in out and "GEMMs (vendor BLAS)" in out
-    assert "GPU idle (no kernel of any stream running), replays 2-10" in out
-    assert "Memset (Device) -> nvjet_sm90_gemm" in out
+    assert "median 40.0 us per step" in out and "3 kernels per step" in out and "GEMMs (vendor BLAS)" in out
+    # 4 + 4 us in every replay and 10 us between replays, 9 times: 17 us a step
+    assert "GPU idle (no kernel of any stream running): 17.0 us a step" in out
+    assert "    9.0    0.9  nvjet_sm90_gemm -> _add_rms_norm_forward_kernel" in out
+    monkeypatch.setattr(pgs, "profiled_kernels", lambda *call: [])
+    assert pgs.main([]) == 1   # nothing recorded: said in one line, not a traceback

@@ -6,7 +6,8 @@ memset before each of those GEMMs. In a CUDA graph that memset is a node of its 
 for the one before it (the forward pass: norm, GEMM, attention, ...) the GPU idles for a few microseconds on each
 side of it: in a profile of version 4's medium step on an H200, about 25 memsets a step, with ~215 us in which no
 kernel ran around them. Given no workspace, cuBLAS picks kernels with the same tiles whose names say statically
-scheduled (`*_ssched_*`): as fast alone, and no memset (benchmarks/results/kernel_time/h200_v4_cublas_workspace.json).
+scheduled (`*_ssched_*`), within 1-3% of the others' time alone, and no memset before them (measured for single
+GEMMs of the step's shapes: benchmarks/results/kernel_time/h200_v4_cublas_workspace.json).
 
 The workspace is sized by an environment variable, CUBLAS_WORKSPACE_CONFIG (":KIB:COUNT" pairs; ":0:0" for none),
 which PyTorch and cuBLAS read once, at the process's first cuBLAS call. So the setting is made before any GEMM,

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from tinytransformer.cli import OneLineParser, command_line, positive_int, run_command  # noqa: E402
 from tinytransformer.config import ConfigError  # noqa: E402
+from tinytransformer.cublas_workspace import describe_cublas_workspace  # noqa: E402
 from tinytransformer.device import software_and_gpu  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
 from tinytransformer.paths import prove_output_file  # noqa: E402
@@ -109,6 +110,9 @@ def print_table(rows: list[dict], args) -> None:
     precision = "bfloat16 autocast" if args.shared.use_amp else "float32 (TF32 GEMMs)"
     print(f"{software_and_gpu()['gpu']}, {size}, {precision}: median step of {args.steps} replays per round, "
           f"{args.rounds} interleaved rounds")
+    workspace = describe_cublas_workspace(on_gpu=True)
+    if workspace:
+        print(f"cuBLAS workspace (every form): {workspace}")
     print(f"{'form':<24} {'median ms':>10} {'vs first':>9}  rounds (ms)")
     for row in rows:
         rounds = " / ".join(f"{ms:.3f}" for ms in row["rounds_ms"])
@@ -128,7 +132,8 @@ def main(argv=None) -> int:
                 "command": "python version4_triton_ultra/" + command_line("compare_step_forms.py", argv),
                 "environment": software_and_gpu(), "preset": args.shared.preset, "use_amp": args.shared.use_amp,
                 "batch_size": args.shared.batch_size, "seq_len": args.shared.seq_len,
-                "rounds": args.rounds, "steps_per_round": args.steps, "rows": rows})
+                "rounds": args.rounds, "steps_per_round": args.steps,
+                "cublas_workspace": describe_cublas_workspace(on_gpu=True), "rows": rows})
             print(f"results: {args.output_json}")
         return 0
     return run_command("compare_step_forms.py", body)

@@ -16,9 +16,10 @@ The training script (tiny_llama_v4.py) times the whole loop: the graph replay pl
 the graph's input buffers. This script builds the same model and the same GraphedStep, replays it on one fixed
 batch, and reports
   1. the median step time over --steps replays, each timed with device events (after 20 warm-up replays);
-  2. a table of the kernels of one step, from the PyTorch profiler over 10 replays: how many times each kernel
-     runs per step, its mean duration and its total per step, largest first; plus the sum over all kernels and
-     the device time from the first kernel to the last (under the profiler, so larger than the median of 1);
+  2. a table of the kernels of one step, from the PyTorch profiler over 10 replays (after an unrecorded one): how
+     many times each kernel runs per step, its mean duration and its total per step, largest first; plus the sum
+     over all kernels and the device time from the first kernel to the last (under the profiler, so larger than
+     the median of 1);
   3. the same kernel time summed per family (attention, vendor GEMMs, the QKV and feed-forward GEMMs with fused
      epilogues, norms, loss, optimizer, embedding, other), largest first;
   4. the time in which no kernel of any stream ran (GPU idle), and its gaps of 2 us or more grouped by the kernels
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from tinytransformer.cli import OneLineParser, positive_int  # noqa: E402
 from tinytransformer.config import ModelConfig, TrainConfig, available_presets, preset_settings  # noqa: E402
 from tinytransformer.cublas_workspace import (  # noqa: E402
-    add_cublas_workspace_argument, apply_cublas_workspace_argument)
+    add_cublas_workspace_argument, apply_cublas_workspace_argument, describe_cublas_workspace)
 from tinytransformer.precision import set_tf32  # noqa: E402
 
 
@@ -66,7 +67,11 @@ KERNEL_FAMILIES = (
 )
 
 
-# Rows of the idle-gap table (see idle_gaps).
+# The profile: replays recorded (after one unrecorded, see profiled_kernels).
+PROFILED_REPLAYS = 10
+# The idle-gap table (idle_gaps): gaps from this long are listed, the few largest groups of them printed. Between
+# two dependent kernels of a graph the GPU idles about a microsecond anyway; what is longer has a cause to find.
+MIN_IDLE_GAP_US = 2.0
 IDLE_ROWS = 6
 
 
@@ -185,14 +190,22 @@ def median_step_ms(step, inputs, targets, steps: int) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def profiled_kernels(step, inputs, targets, replays: int = 10) -> list[tuple[str, float, float]]:
+def profiled_kernels(step, inputs, targets, replays: int = PROFILED_REPLAYS) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of every kernel, memset and copy of `replays` replays under the PyTorch profiler,
-    all streams, in order of start."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
+    all streams, in order of start.
+
+    One more replay runs first, unrecorded (the profiler's warm-up): the profiler's own start-up falls there, where
+    it would show as idle time that a training run does not have. The GPU finishes it before the recorded replays
+    start, and finishes those before the recording stops; in between, the host queues replays as the training
+    script does."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+    recording = schedule(wait=0, warmup=1, active=replays, repeat=1)
+    with profile(activities=[ProfilerActivity.CUDA], schedule=recording) as prof:
+        for index in range(replays + 1):
             step(inputs, targets)
-        torch.cuda.synchronize()
+            if index in (0, replays):
+                torch.cuda.synchronize()
+            prof.step()
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]   # HIP kernels are "CUDA" too
     return sorted(((e.name, e.time_range.start, e.time_range.end) for e in kernels), key=lambda k: k[1])
 
@@ -209,18 +222,15 @@ def kernel_table(kernels, replays: int) -> tuple[list, float, float]:
     return rows, sum(row[3] for row in rows), span
 
 
-def idle_gaps(kernels, replays: int, min_gap_us: float = 2.0) -> tuple[float, list]:
+def idle_gaps(kernels, replays: int, min_gap_us: float = MIN_IDLE_GAP_US) -> tuple[float, list]:
     """Time in which no kernel of any stream ran: (idle us per step, [(us per step, gaps per step, kernel before,
     kernel after)] of the gaps of at least min_gap_us, grouped by the kernels around them, largest first).
 
-    The kernels of all streams are merged on one time line; a gap is time between two busy stretches. The first
-    replay is left out: the profiler's start shows up there as a gap that a training run does not have."""
-    kernels = sorted(kernels, key=lambda k: k[1])
-    if replays > 1:
-        kernels, replays = kernels[len(kernels) // replays:], replays - 1
+    The kernels of all streams are merged on one time line; a gap is time between two busy stretches, named by
+    the kernel that ended the stretch before it and the one that starts the next."""
     idle, grouped = 0.0, defaultdict(lambda: [0.0, 0])
     busy_until, last_name = None, None   # the end of the current busy stretch, and the kernel that ends it
-    for name, start, end in kernels:
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
         if busy_until is not None and start > busy_until:
             gap = start - busy_until
             idle += gap
@@ -242,9 +252,15 @@ def main(argv=None) -> int:
     model = f"preset {args.preset}" if args.preset else "seed model"
     print(f"{torch.cuda.get_device_name()}, {model}, batch {args.batch_size}, seq {args.seq_len}, {precision}: "
           f"median {ms * 1000:.1f} us per step = {args.batch_size / ms * 1000:,.0f} samples/s")
-    replays = 10
-    kernels = profiled_kernels(step, inputs, targets, replays)
-    rows, total_us, span_us = kernel_table(kernels, replays)
+    workspace = describe_cublas_workspace(on_gpu=True)
+    if workspace:
+        print(f"cuBLAS workspace: {workspace}")
+    kernels = profiled_kernels(step, inputs, targets, PROFILED_REPLAYS)
+    if not kernels:
+        print("profile_graphed_step.py: the profiler recorded no GPU kernel (is its GPU tracing available here?)",
+              file=sys.stderr)
+        return 1
+    rows, total_us, span_us = kernel_table(kernels, PROFILED_REPLAYS)
     launches = sum(row[1] for row in rows)
     print(f"under the profiler: {launches:.0f} kernels per step, {total_us:.1f} us of kernel time, "
           f"{span_us:.1f} us from first kernel to last")
@@ -254,9 +270,9 @@ def main(argv=None) -> int:
     print(f"{'us/step':>9} {'share':>8}  kernel family")
     for family, step_us in family_totals(rows):
         print(f"{step_us:9.1f} {step_us / total_us:8.1%}  {family}")
-    idle_us, gaps = idle_gaps(kernels, replays)
-    print(f"GPU idle (no kernel of any stream running), replays 2-{replays}: {idle_us:.1f} us a step; gaps of 2 us "
-          f"or more by the kernels around them:")
+    idle_us, gaps = idle_gaps(kernels, PROFILED_REPLAYS)
+    print(f"GPU idle (no kernel of any stream running): {idle_us:.1f} us a step; gaps of {MIN_IDLE_GAP_US:g} us or "
+          f"more by the kernels around them:")
     print(f"{'us/step':>9} {'gaps':>6}  kernel before -> kernel after")
     for gap_us, count, before, after in gaps[:IDLE_ROWS]:
         print(f"{gap_us:9.1f} {count:6.1f}  {before[:50]} -> {after[:50]}")

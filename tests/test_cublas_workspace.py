@@ -17,21 +17,25 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import comparison_rows  # noqa: E402
 
 
-def test_no_workspace_is_asked_for_on_cuda_only_and_never_over_the_users_value():
+def test_no_workspace_is_asked_for_on_cuda_only_and_never_over_the_users_value(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", None)   # a CUDA build
     environ = {}
-    assert cw.without_workspace(environ, hip="") and environ == {cw.VARIABLE: cw.NO_WORKSPACE}
+    assert cw.without_workspace(environ) and environ == {cw.VARIABLE: cw.NO_WORKSPACE}
     chosen = {cw.VARIABLE: ":4096:8"}
-    assert not cw.without_workspace(chosen, hip="") and chosen == {cw.VARIABLE: ":4096:8"}
+    assert not cw.without_workspace(chosen) and chosen == {cw.VARIABLE: ":4096:8"}
+    monkeypatch.setattr(torch.version, "hip", "6.2")   # a ROCm build
     rocm = {}
-    assert not cw.without_workspace(rocm, hip="6.2") and rocm == {}
+    assert not cw.without_workspace(rocm) and rocm == {}
 
 
-def test_the_header_says_which_workspace_the_gemms_have():
-    assert cw.describe_cublas_workspace(True, {cw.VARIABLE: ":0:0"}, hip="").startswith("none")
-    assert cw.describe_cublas_workspace(True, {}, hip="") == "cuBLAS's default"
-    assert cw.describe_cublas_workspace(True, {cw.VARIABLE: ":4096:8"}, hip="") == f"{cw.VARIABLE}=:4096:8"
-    assert cw.describe_cublas_workspace(False, {}, hip="") is None
-    assert cw.describe_cublas_workspace(True, {}, hip="6.2") is None
+def test_the_header_says_which_workspace_the_gemms_have(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert cw.describe_cublas_workspace(True, {cw.VARIABLE: ":0:0"}).startswith("none")
+    assert cw.describe_cublas_workspace(True, {}) == "cuBLAS's default"
+    assert cw.describe_cublas_workspace(True, {cw.VARIABLE: ":4096:8"}) == f"{cw.VARIABLE}=:4096:8"
+    assert cw.describe_cublas_workspace(False, {}) is None
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert cw.describe_cublas_workspace(True, {}) is None
 
 
 @pytest.mark.parametrize("choice, device, expected", [("none", "cuda", cw.NO_WORKSPACE), ("default", "cuda", None),

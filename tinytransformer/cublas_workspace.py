@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-import torch
+from .device import is_rocm
 
 VARIABLE = "CUBLAS_WORKSPACE_CONFIG"
 NO_WORKSPACE = ":0:0"
@@ -32,13 +32,12 @@ def add_cublas_workspace_argument(group) -> None:
                             f"compare; a {VARIABLE} you exported wins over both)")
 
 
-def without_workspace(environ=None, hip: str | None = None) -> bool:
+def without_workspace(environ=None) -> bool:
     """Ask cuBLAS for no workspace in this process (call it before the first GEMM). Not on ROCm, and not over a
-    value the user exported. True when the process runs cuBLAS without one. (environ and hip stand in for
-    os.environ and torch.version.hip in tests; hip="" is a CUDA build.)"""
+    value the user exported. True when the process runs cuBLAS without one. (environ stands in for os.environ in
+    tests.)"""
     environ = os.environ if environ is None else environ
-    hip = torch.version.hip if hip is None else hip
-    if hip:
+    if is_rocm():
         return False
     environ.setdefault(VARIABLE, NO_WORKSPACE)
     return environ[VARIABLE] == NO_WORKSPACE
@@ -50,11 +49,10 @@ def apply_cublas_workspace_argument(args, device) -> None:
         without_workspace()
 
 
-def describe_cublas_workspace(on_gpu: bool, environ=None, hip: str | None = None) -> str | None:
+def describe_cublas_workspace(on_gpu: bool, environ=None) -> str | None:
     """The cuBLAS workspace this run's GEMMs have, for the run's header (None off NVIDIA GPUs)."""
     environ = os.environ if environ is None else environ
-    hip = torch.version.hip if hip is None else hip
-    if not on_gpu or hip:
+    if not on_gpu or is_rocm():
         return None
     value = environ.get(VARIABLE)
     if value == NO_WORKSPACE:

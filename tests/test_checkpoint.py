@@ -129,6 +129,17 @@ def test_keep_last_removes_the_oldest(tmp_path):
     assert [s for s, _ in list_checkpoints(tmp_path / "c")] == [35, 40]
 
 
+def test_listing_a_directory_removed_meanwhile(tmp_path, monkeypatch):
+    """A run starting in another process creates the directory for its writability probe and removes it again: a
+    listing that saw the directory and then finds it gone lists nothing, it does not fail."""
+    class RemovedAfterTheCheck(type(Path())):
+        def is_dir(self):
+            return True   # the directory was there when checked; it is gone when listed
+
+    monkeypatch.setattr(ckpt_files, "Path", RemovedAfterTheCheck)
+    assert list_checkpoints(tmp_path / "gone") == []
+
+
 def test_only_rank_0_writes(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     code, _ = train(v1_main, tmp_path, "--save-every", "5", "--checkpoint-dir", tmp_path / "c")
@@ -147,8 +158,9 @@ def test_resume_auto_without_checkpoints_starts_from_step_0(reference, tmp_path,
 def test_sigkill_mid_run_then_resume_auto(reference, tmp_path):
     directory = tmp_path / "c"
     process = start_subprocess(directory, "--save-every", "4")
-    # The run creates the directory only when it writes its first checkpoint: poll for that, not the listing.
-    wait_for(lambda: directory.is_dir() and len(list_checkpoints(directory)) >= 2, process)
+    # The run creates the directory to probe it, removes it, and creates it again for its lock: the listing
+    # copes with a directory that comes and goes (test_listing_a_directory_removed_meanwhile).
+    wait_for(lambda: len(list_checkpoints(directory)) >= 2, process)
     process.send_signal(signal.SIGKILL)
     process.communicate()
     assert process.returncode == -signal.SIGKILL

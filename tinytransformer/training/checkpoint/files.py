@@ -22,8 +22,12 @@ def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
+    try:
+        entries = list(directory.iterdir())
+    except FileNotFoundError:   # removed since the check: a starting run removes the directory its probe made
+        return []
     found = []
-    for path in directory.iterdir():
+    for path in entries:
         match = FILE_PATTERN.match(path.name)
         if match and path.is_file():
             found.append((int(match.group(1)), path))

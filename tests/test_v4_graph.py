@@ -181,6 +181,8 @@ def test_profile_graphed_step_takes_the_presets_sizes(flags, want):
 def test_profile_graphed_step_kernel_families():
     from version4_triton_ultra.profile_graphed_step import family_totals, kernel_family
     assert kernel_family("_flash_attention_backward_dq_kernel") == "attention"
+    # cuDNN's fused attention (the layers' choice at head dim 128 on Hopper), by the name its kernels carry.
+    assert kernel_family("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128") == "attention"
     assert kernel_family("_down_swiglu_backward_kernel") == "feed-forward GEMMs + SwiGLU (Triton)"
     assert kernel_family("_separate_swiglu_backward_kernel") == "SwiGLU between vendor GEMMs (Triton)"
     assert kernel_family("_qkv_rope_kernel") == "QKV GEMM + RoPE (Triton)"
@@ -238,7 +240,7 @@ def v4_args(**overrides):
     from types import SimpleNamespace
     args = dict(device="auto", cuda_graph=True, weight_grad_stream=True, rope_in_attention=False, separate_swiglu=False,
                 separate_rope=False, torch_adamw=False, tf32=True, use_amp=None, deepspeed=None, deepspeed_config=None,
-                equal_stream_priority=False)
+                equal_stream_priority=False, vendor_attention=False)
     return SimpleNamespace(**{**args, **overrides})
 
 

@@ -41,6 +41,8 @@ FORMS = {
     "rope-in-attention": ["--rope-in-attention"],         # RoPE as the attention kernel loads q and k
     "swiglu-in-gemms": ["--swiglu-in-gemms"],             # SwiGLU in the Triton feed-forward GEMMs' epilogues
     "separate-swiglu": ["--separate-swiglu"],             # vendor feed-forward GEMMs, SwiGLU as kernels of its own
+    "cudnn-attention": ["--cudnn-attention"],             # cuDNN's fused attention after the QKV GEMM and RoPE
+    "triton-attention": ["--triton-attention"],           # version 4's Triton flash attention
     "torch-adamw": ["--torch-adamw"],                     # torch's fused AdamW + a separate bfloat16 weight copy
     "no-weight-grad-stream": ["--no-weight-grad-stream"],   # the weight-gradient GEMMs on the main stream
     "equal-stream-priority": ["--equal-stream-priority"],   # the main stream not above the second stream

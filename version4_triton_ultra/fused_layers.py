@@ -5,6 +5,10 @@ backward (items 2 and 4 of tiny_llama_v4.py's docstring):
                           (kernels/flash_attention.py); backward: attention backward rotating dq, dk back, then
                           two vendor GEMMs. With separate_rope: the vendor QKV GEMM, then RoPE as a kernel of its own
                           (kernels/qk_rotation.py); separate_rope_pays says at which sizes that is faster
+    RotatedQKV            the same QKV GEMM and RoPE without the attention, for the vendor's attention after it
+                          (vendor_attention: PyTorch's scaled_dot_product_attention on cuDNN); its backward rotates
+                          the gradients of q and k back (kernels/qk_rotation.py, inverse), then the same two GEMMs.
+                          vendor_attention_pays says where that is faster than our attention kernels
     SwiGLUFeedForward     gate/up GEMM with SwiGLU in its epilogue -> down GEMM (kernels/swiglu_gemm.py); backward:
                           the down GEMM's input gradient with d(gate_up) in its epilogue, then vendor GEMMs.
                           With separate_swiglu: vendor GEMMs only, and SwiGLU a kernel of its own each way
@@ -15,6 +19,7 @@ copy under autocast; the weight gradients come out in float32, on the weight-gra
 """
 import torch
 
+from tinytransformer.device import is_rocm
 from version4_triton_ultra.backward_overlap import weight_gradient
 from version4_triton_ultra.kernels.flash_attention import packed_attention_backward, packed_attention_forward
 from version4_triton_ultra.kernels.qk_rotation import rotate_qk_
@@ -84,6 +89,124 @@ def uses_separate_swiglu(chosen: bool | None, rows: int, hidden_dim: int, interm
     return separate_swiglu_pays(rows, hidden_dim, intermediate_size)
 
 
+# Which attention is faster, ours (a FlashAttention-2-style Triton kernel each way) or the vendor's (cuDNN's fused
+# attention through PyTorch's scaled_dot_product_attention), depends on the head dim. Measured on one H200 (bfloat16,
+# forward + backward of one layer, causal, on the packed QKV layout; compare_attention_backends.py,
+# benchmarks/results/kernel_time/h200_attention_backends.json), ours against cuDNN's:
+#   head dim 32  (tiny)     13.2 us against 23.3
+#   head dim 64  (small)    47.6 us against 53.2;   (medium) 200.5 against 203.4
+#   head dim 128 (large)   550.5 us against 415.5 (cuDNN's backward is written for Hopper: TMA loads and warp
+#                          specialisation, which our kernels do not have)
+# The vendor's backward returns dq and dk rotated; one more pass rotates them back (ours does it as it stores them).
+# So from head dim 128, on an NVIDIA GPU of the Hopper generation (the one measured; cuDNN chooses its kernels per
+# generation), in 16-bit, the layers take cuDNN's attention. ROCm has no cuDNN: ours everywhere there.
+VENDOR_ATTENTION_FROM_HEAD_DIM = 128
+VENDOR_ATTENTION_GPU_GENERATION = 9   # CUDA compute capability 9.x: H100, H200
+VENDOR_ATTENTION_DTYPES = (torch.bfloat16, torch.float16)
+_VENDOR_ATTENTION_RUNS = {}   # (device, dtype, head dim) -> whether cuDNN's attention ran there (probed once)
+
+
+def vendor_attention_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why cuDNN's fused attention cannot run on q, k, v of this dtype and head dim on this device (one line), or
+    None when it can. The first answer for a (device, dtype, head dim) runs a tiny causal attention forward and
+    backward on cuDNN (outside a graph capture: there the answer is no, conservatively) and is kept."""
+    if device.type != "cuda" or not torch.cuda.is_available() or is_rocm():
+        return "cuDNN's fused attention needs an NVIDIA GPU"
+    if dtype not in VENDOR_ATTENTION_DTYPES:
+        return f"cuDNN's fused attention takes bfloat16 or float16 q, k, v (--use-amp), not {dtype}"
+    if not (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()):
+        return "this PyTorch build has cuDNN's fused attention off or missing"
+    key = (device, dtype, head_dim)
+    if key not in _VENDOR_ATTENTION_RUNS:
+        if torch.cuda.is_current_stream_capturing():
+            return "not probed before the graph capture"
+        _VENDOR_ATTENTION_RUNS[key] = _cudnn_attention_runs(device, dtype, head_dim)
+    return None if _VENDOR_ATTENTION_RUNS[key] else f"cuDNN's fused attention does not run at head dim {head_dim} here"
+
+
+def _cudnn_attention_runs(device, dtype, head_dim) -> bool:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.ones(1, 1, 8, head_dim, device=device, dtype=dtype, requires_grad=True)   # no RNG drawn
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+        return True
+    except RuntimeError:   # no cuDNN kernel for these inputs on this GPU
+        return False
+
+
+def vendor_attention_pays(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """True where cuDNN's attention beats ours (see VENDOR_ATTENTION_FROM_HEAD_DIM) and can run."""
+    return (device.type == "cuda" and not is_rocm() and head_dim >= VENDOR_ATTENTION_FROM_HEAD_DIM
+            and torch.cuda.get_device_capability(device)[0] == VENDOR_ATTENTION_GPU_GENERATION
+            and vendor_attention_problem(device, dtype, head_dim) is None)
+
+
+def uses_vendor_attention(chosen: bool | None, rope_form: str, device: torch.device, dtype: torch.dtype,
+                          head_dim: int) -> bool:
+    """The attention a layer runs: cuDNN's (True) or ours (False). chosen True / False is --cudnn-attention /
+    --triton-attention; None: the faster one here (vendor_attention_pays). RoPE on load (rope_form "attention")
+    exists in our kernel only."""
+    if rope_form == "attention":
+        return False
+    return vendor_attention_pays(device, dtype, head_dim) if chosen is None else chosen
+
+
+def vendor_attention(qkv: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Causal attention of the packed qkv [B, S, 3D] (q and k already rotated) on cuDNN, through PyTorch's
+    scaled_dot_product_attention and its autograd: out [B, S, D]. q, k and v are views of qkv (no copies); cuDNN
+    writes its output in their memory order, [B, S, heads, Dh], which is [B, S, D] as it stands. In the backward
+    pass autograd gathers dq, dk and dv into one [B, S, 3D] gradient of qkv."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    batch, seq_len, width = qkv.shape
+    dim = width // 3
+    q, k, v = (t.transpose(1, 2) for t in qkv.view(batch, seq_len, 3, num_heads, dim // num_heads).unbind(2))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(1, 2).reshape(batch, seq_len, dim)
+
+
+def _rotated_qkv(x_rows, qkv_gemm_weight, cos, sin, seq_len, head_dim, separate_rope):
+    """The QKV GEMM's output [N, 3D] with q and k rotated: the vendor GEMM then a RoPE kernel (separate_rope), or
+    the Triton GEMM with RoPE in its epilogue."""
+    if separate_rope:
+        return rotate_qk_(x_rows @ qkv_gemm_weight.T, cos, sin, seq_len, head_dim)
+    return qkv_rope(x_rows, qkv_gemm_weight, cos, sin, seq_len, head_dim)
+
+
+class RotatedQKV(torch.autograd.Function):
+    """qkv = RoPE(x @ W_qkv^T) [B, S, 3D], q and k rotated, for an attention that is not ours (vendor_attention).
+
+    Forward: RotaryQKVAttention's QKV GEMM and RoPE, without the attention. Backward: the incoming gradient of the
+    rotated qkv has its q and k parts rotated back (the inverse rotation, in place), which makes it the gradient of
+    the GEMM's unrotated output; then RotaryQKVAttention's two GEMMs (grad_x, and the float32 weight gradient on the
+    weight-gradient stream when there is one)."""
+
+    @staticmethod
+    def forward(ctx, x, qkv_weight, qkv_gemm_weight, cos, sin, num_heads, weight_grad_stream, separate_rope=False):
+        batch, seq_len, dim = x.shape
+        x_rows = x.reshape(-1, dim).to(qkv_gemm_weight.dtype)
+        qkv = _rotated_qkv(x_rows, qkv_gemm_weight, cos, sin, seq_len, dim // num_heads, separate_rope)
+        ctx.save_for_backward(x_rows, qkv_gemm_weight, cos, sin)
+        ctx.weight, ctx.weight_grad_stream = qkv_weight, weight_grad_stream
+        ctx.seq_len, ctx.head_dim, ctx.x_shape = seq_len, dim // num_heads, x.shape
+        return qkv.view(batch, seq_len, 3 * dim)
+
+    @staticmethod
+    def backward(ctx, grad_qkv):
+        x_rows, qkv_gemm_weight, cos, sin = ctx.saved_tensors
+        # A gradient of our own to rotate in place: autograd's gathering of dq, dk, dv makes a new tensor, which
+        # contiguous() keeps; any other layout is copied first.
+        grad_rows = grad_qkv.contiguous().view(-1, grad_qkv.shape[-1])
+        rotate_qk_(grad_rows, cos, sin, ctx.seq_len, ctx.head_dim, inverse=True)
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:   # first: the critical path
+            grad_x = (grad_rows @ qkv_gemm_weight).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = weight_gradient(ctx.weight, grad_rows, x_rows, ctx.weight_grad_stream)
+        return grad_x, grad_weight, None, None, None, None, None, None
+
+
 class RotaryQKVAttention(torch.autograd.Function):
     """out = attention(RoPE(x @ W_qkv^T)), causal, with RoPE in the QKV GEMM's epilogue (kernels/qkv_rope_gemm.py).
 
@@ -102,10 +225,7 @@ class RotaryQKVAttention(torch.autograd.Function):
                 separate_rope=False):
         batch, seq_len, dim = x.shape
         x_rows = x.reshape(-1, dim).to(qkv_gemm_weight.dtype)
-        if separate_rope:   # the vendor GEMM, then q and k rotated in place by a kernel of their own
-            qkv = rotate_qk_(x_rows @ qkv_gemm_weight.T, cos, sin, seq_len, dim // num_heads)
-        else:
-            qkv = qkv_rope(x_rows, qkv_gemm_weight, cos, sin, seq_len, dim // num_heads)
+        qkv = _rotated_qkv(x_rows, qkv_gemm_weight, cos, sin, seq_len, dim // num_heads, separate_rope)
         qkv = qkv.view(batch, seq_len, 3 * dim)
         out, lse = packed_attention_forward(qkv, num_heads, causal=True, precise_fp32=precise_fp32)
         ctx.save_for_backward(x_rows, qkv_gemm_weight, qkv, out, lse, cos, sin)

@@ -10,6 +10,7 @@
     python profile_graphed_step.py --rope-in-gemm                   (RoPE in the QKV GEMM at every size)
     python profile_graphed_step.py --use-amp --preset small --swiglu-in-gemms   (SwiGLU in the GEMMs' epilogues)
     python profile_graphed_step.py --use-amp --torch-adamw          (torch's fused AdamW + a separate weight copy)
+    python profile_graphed_step.py --use-amp --preset large --triton-attention   (our attention, not cuDNN's)
     python profile_graphed_step.py --use-amp --cublas-workspace default   (a memset before many of cuBLAS's GEMMs)
 
 The training script (tiny_llama_v4.py) times the whole loop: the graph replay plus the copy of each batch into
@@ -54,7 +55,7 @@ from tinytransformer.precision import set_tf32  # noqa: E402
 # the README's "where the time goes" table reads. run_ultra_profiling.py keeps a coarser table that fits all
 # four versions (PyTorch's element-wise, copy and reduction kernels by kind), for the census.
 KERNEL_FAMILIES = (
-    ("attention", r"flash_attention"),
+    ("attention", r"flash_attention|sdpa|fmha"),   # ours; cuDNN's fused attention (names with sdpa or fmha)
     ("SwiGLU between vendor GEMMs (Triton)", r"separate_swiglu"),   # the feed-forward's form from ~1 G multiply-adds
     ("feed-forward GEMMs + SwiGLU (Triton)", r"swiglu"),
     ("QKV GEMM + RoPE (Triton)", r"qkv_rope"),
@@ -95,7 +96,7 @@ def parse_args(argv, prog: str = "profile_graphed_step.py"):
     """The flags, checked: prog names the script in the one-line errors (compare_step_forms.py parses its forms'
     steps here under its own name)."""
     # The training script's switches between each fusion and the form it replaces.
-    from version4_triton_ultra.tiny_llama_v4 import add_rope_arguments, add_swiglu_arguments
+    from version4_triton_ultra.tiny_llama_v4 import add_attention_arguments, add_rope_arguments, add_swiglu_arguments
     parser = OneLineParser(prog=prog,
                            description="Median time and kernel table of version 4's graph-captured step.")
     parser.add_argument("--preset", choices=available_presets(),
@@ -110,6 +111,7 @@ def parse_args(argv, prog: str = "profile_graphed_step.py"):
                         help="the main stream at the second stream's priority (default: above it)")
     add_rope_arguments(parser)
     add_swiglu_arguments(parser)
+    add_attention_arguments(parser)
     parser.add_argument("--torch-adamw", action="store_true",
                         help="torch.optim.AdamW(fused=True) and a separate bfloat16 weight copy (default: version "
                              "4's Triton AdamW, which writes the copies)")
@@ -123,6 +125,11 @@ def parse_args(argv, prog: str = "profile_graphed_step.py"):
         parser.error(problem)
     if not torch.cuda.is_available():
         parser.error("needs a GPU (CUDA or ROCm): the step is a CUDA/HIP graph replay")
+    from version4_triton_ultra import tiny_llama_v4 as v4
+    problem = v4.forced_attention_problem(args, torch.device("cuda"), torch.bfloat16 if args.use_amp else torch.float32,
+                                          model_config(args).head_dim)
+    if problem:
+        parser.error(problem)
     return args
 
 
@@ -169,6 +176,7 @@ def build_step(args):
     model.use_rope_in_attention(args.rope_in_attention)
     model.use_separate_rope(args.separate_rope)
     model.use_separate_swiglu(args.separate_swiglu)
+    model.use_vendor_attention(args.vendor_attention)
     model.cuda()
     step = graphed_step.GraphedStep(model, model.configure_optimizer(train), torch.device("cuda"), train,
                                     weight_gradient_stream=args.weight_grad_stream,

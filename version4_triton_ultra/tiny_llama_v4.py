@@ -14,6 +14,9 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      measured); --rope-in-gemm and --separate-rope choose one form at every size, to compare.
   3. Attention reads q, k, v straight from the fused QKV output and writes its output in the layout the output
      projection reads: no copies (version 3 transposes q, k, v and the output, and again in the backward pass).
+     On a Hopper GPU from head dim 128 (the large preset), in 16-bit, cuDNN's fused attention is faster than our
+     kernels (its backward is written for that GPU), and the layers take it, on views of the same packed qkv
+     (fused_layers.vendor_attention_pays, measured); --cudnn-attention and --triton-attention choose one.
   4. SwiGLU inside the feed-forward GEMMs (kernels/swiglu_gemm.py): the gate/up GEMM computes h = silu(gate) * up
      in its epilogue, and the down projection's input-gradient GEMM computes d(gate_up) in its epilogue, so
      version 3's SwiGLU kernels (forward and backward) disappear (SwiGLUFeedForward in fused_layers.py).
@@ -83,7 +86,8 @@ from version4_triton_ultra import graphed_step  # noqa: E402
 from version4_triton_ultra.backward_overlap import (  # noqa: E402
     CallDuringBackward, ProjectionMatmul, WeightGradientStream)
 from version4_triton_ultra.fused_layers import (  # noqa: E402
-    RotaryQKVAttention, SwiGLUFeedForward, rope_form_of, separate_swiglu_pays, uses_separate_swiglu)
+    RotaryQKVAttention, RotatedQKV, SwiGLUFeedForward, rope_form_of, separate_swiglu_pays, uses_separate_swiglu,
+    uses_vendor_attention, vendor_attention, vendor_attention_problem)
 from version4_triton_ultra.kernels import add_rmsnorm as norm_kernels  # noqa: E402
 from version4_triton_ultra.kernels import flash_attention as attention_kernels  # noqa: E402
 from version4_triton_ultra.kernels import qk_rotation as rotation_kernels  # noqa: E402
@@ -136,6 +140,10 @@ class Attention(nn.Module):
     its own, the form the epilogue replaces, faster from about a billion multiply-adds in the QKV GEMM
     (separate_rope_pays): None (the default) chooses by the batch's size, True (--separate-rope) or False
     (--rope-in-gemm) one form at every size. All compute the same function.
+
+    vendor_attention: after the QKV GEMM and RoPE, cuDNN's fused attention instead of ours (RotatedQKV +
+    vendor_attention in fused_layers.py), faster on Hopper GPUs from head dim 128 (vendor_attention_pays). None
+    (the default) chooses by GPU, dtype and head dim; True (--cudnn-attention) or False (--triton-attention) one.
     """
 
     exact_float32 = False   # True: float32 dot products in IEEE float32 instead of TF32 (tests, debugging)
@@ -148,6 +156,7 @@ class Attention(nn.Module):
         self.o_proj = Projection(d, d)
         self.rope_in_attention = False
         self.separate_rope = None   # without rope_in_attention: None by size, True the vendor GEMM + a RoPE kernel
+        self.vendor_attention = None   # None: cuDNN's attention where it is faster, True / False: always / never
 
     def forward(self, x, cos, sin):
         with profile_range("attention"):
@@ -155,7 +164,12 @@ class Attention(nn.Module):
             # head in place (row stride 3D) instead of transposing q, k, v into [B, H, S, Dh] first.
             dim = x.shape[-1]
             form = rope_form_of(self.rope_in_attention, self.separate_rope, x.numel() // dim, dim)
-            if form != "attention":   # qkv_proj's weight (and 16-bit copy, stream) in RotaryQKVAttention
+            dtype = gemm_input_dtype(x.device.type) or x.dtype   # q, k and v's
+            if uses_vendor_attention(self.vendor_attention, form, x.device, dtype, self.head_dim):
+                qkv = RotatedQKV.apply(x, self.qkv_proj.weight, self.qkv_proj.gemm_weight(x.device.type), cos, sin,
+                                       self.num_heads, self.qkv_proj.weight_grad_stream, form == "separate")
+                out = vendor_attention(qkv, self.num_heads)
+            elif form != "attention":   # qkv_proj's weight (and 16-bit copy, stream) in RotaryQKVAttention
                 out = RotaryQKVAttention.apply(x, self.qkv_proj.weight, self.qkv_proj.gemm_weight(x.device.type),
                                                cos, sin, self.num_heads, self.exact_float32,
                                                self.qkv_proj.weight_grad_stream, form == "separate")
@@ -401,6 +415,12 @@ class TinyLlama(nn.Module):
         for layer in self.layers:
             layer.attention.separate_rope = enabled
 
+    def use_vendor_attention(self, enabled: bool | None = True):
+        """cuDNN's fused attention after the QKV GEMM and RoPE (True), our attention kernels (False), or whichever
+        is faster on this GPU at this head dim and dtype (None, the default)."""
+        for layer in self.layers:
+            layer.attention.vendor_attention = enabled
+
     def use_separate_swiglu(self, enabled: bool | None = True):
         """SwiGLU as a kernel of its own between vendor GEMMs (True), in the Triton GEMMs' epilogues (False), or
         whichever is faster at the batch's size (None, the default)."""
@@ -446,6 +466,7 @@ def add_arguments(group):
                             "(to measure what the priority saves)")
     add_rope_arguments(group)
     add_swiglu_arguments(group)
+    add_attention_arguments(group)
     group.add_argument("--torch-adamw", action="store_true",
                        help="update the weights with torch.optim.AdamW(fused=True) and copy the bfloat16 weights "
                             "in a kernel of their own, instead of version 4's Triton AdamW (to compare)")
@@ -471,6 +492,21 @@ def add_rope_arguments(parser):
     rope.add_argument("--rope-in-gemm", dest="separate_rope", action="store_const", const=False,
                       help="at every size, rotate q and k in the epilogue of a Triton QKV GEMM (default: chosen by "
                            "size, this below the small preset)")
+
+
+def add_attention_arguments(parser):
+    """The two attention switches, one at most (also profile_graphed_step.py's). Default (neither): cuDNN's fused
+    attention where it is faster (fused_layers.vendor_attention_pays: Hopper GPUs, 16-bit, head dim 128 and up),
+    else ours."""
+    attention = parser.add_mutually_exclusive_group()
+    attention.add_argument("--cudnn-attention", dest="vendor_attention", action="store_const", const=True,
+                           default=None,
+                           help="at every size, cuDNN's fused attention (PyTorch's scaled_dot_product_attention) "
+                                "after the QKV GEMM and RoPE; needs an NVIDIA GPU and --use-amp (default: chosen "
+                                "by GPU and head dim, this on Hopper from head dim 128)")
+    attention.add_argument("--triton-attention", dest="vendor_attention", action="store_const", const=False,
+                           help="at every size, version 4's Triton flash-attention kernels (default: chosen by GPU "
+                                "and head dim, these below head dim 128 and off Hopper)")
 
 
 def add_swiglu_arguments(parser):
@@ -569,8 +605,25 @@ def check_arguments(args, device):
     problem = shape_problem_of_args(args)
     if problem:
         raise ConfigError(problem)
+    config, train = resolve_configs(args)
+    dtype = getattr(torch, train.amp_dtype) if train.use_amp else torch.float32
+    problem = forced_attention_problem(args, device, dtype, config.head_dim)
+    if problem:
+        raise ConfigError(problem)
     apply_tf32_argument(args, device)
     apply_cublas_workspace_argument(args, device)   # before the run's first GEMM
+
+
+def forced_attention_problem(args, device, dtype, head_dim) -> str | None:
+    """Why --cudnn-attention cannot run as asked (one line), or None: it needs RoPE before the attention (not
+    --rope-in-attention) and cuDNN's attention on this device for q, k, v of this dtype and head dim. Also
+    profile_graphed_step.py's check."""
+    if getattr(args, "vendor_attention", None) is not True:
+        return None
+    if args.rope_in_attention:
+        return "--cudnn-attention and --rope-in-attention: RoPE on load exists in version 4's attention kernel only"
+    problem = vendor_attention_problem(device, dtype, head_dim)
+    return f"--cudnn-attention: {problem}" if problem else None
 
 
 def build_model(config, args):
@@ -580,6 +633,7 @@ def build_model(config, args):
     model.use_rope_in_attention(args.rope_in_attention)
     model.use_separate_rope(args.separate_rope)
     model.use_separate_swiglu(args.separate_swiglu)
+    model.use_vendor_attention(getattr(args, "vendor_attention", None))   # callers' own Namespaces may lack it
     return model
 
 
@@ -596,6 +650,22 @@ def describe_rope(args) -> str:
     form = (rope_form_of_args(args, *resolve_configs(args)) if chosen_by_size
             else rope_form_of(args.rope_in_attention, args.separate_rope))
     return ROPE_DESCRIPTIONS[form] + (" (the faster form at this size)" if chosen_by_size else "")
+
+
+def describe_attention(args, on_gpu: bool) -> str:
+    """Which attention this run's layers take (the header's attention line)."""
+    chosen = getattr(args, "vendor_attention", None)
+    if not on_gpu or getattr(args, "rope_in_attention", False):
+        vendor = False
+    elif chosen is not None:
+        vendor = chosen
+    else:   # as the layers decide: by GPU, dtype and head dim
+        config, train = resolve_configs(args)
+        dtype = getattr(torch, train.amp_dtype) if train.use_amp else torch.float32
+        vendor = uses_vendor_attention(None, "gemm", torch.device("cuda"), dtype, config.head_dim)
+    text = ("cuDNN's fused attention (scaled_dot_product_attention), RoPE's backward a kernel of its own" if vendor
+            else "version 4's Triton flash attention")
+    return text + (" (the faster one here)" if chosen is None and on_gpu else "")
 
 
 def describe(args) -> dict:
@@ -625,7 +695,8 @@ def describe(args) -> dict:
     # On the CPU, PyTorch's matmuls and the interpreter's tl.dot (NumPy) both compute in IEEE float32.
     matmuls = describe_float32_matmuls(
         args, on_gpu, on_cpu="exact float32 in PyTorch and Triton's CPU interpreter (TF32, --tf32, is for NVIDIA GPUs)")
-    info = {"step": step, "matmuls": matmuls, "RoPE": rope, "SwiGLU": swiglu, "optimizer": optimizer}
+    info = {"step": step, "matmuls": matmuls, "RoPE": rope, "attention": describe_attention(args, on_gpu),
+            "SwiGLU": swiglu, "optimizer": optimizer}
     workspace = describe_cublas_workspace(on_gpu)
     if workspace:
         info["cuBLAS workspace"] = workspace

@@ -3,14 +3,18 @@
     rotate_qk_(qkv, cos, sin, S, Dh)     in place, on a packed qkv [N, 3D] (columns [q heads | k heads | v heads],
                                          the vendor QKV GEMM's output): every q and k head rotated,
                                          rot(t) = t * cos + rotate_half(t) * sin; v is not touched.
+    rotate_qk_(..., inverse=True)        the inverse rotation (by -angle, sin negated): RoPE's backward, turning
+                                         the gradients of rotated q and k into those of the unrotated product.
 
 Version 4 runs it from about a billion multiply-adds in the QKV GEMM (fused_layers.separate_rope_pays) and under
 --separate-rope: the QKV product then comes from the vendor BLAS (cuBLAS, hipBLASLt), and RoPE costs one more
 pass over q and k. Whether the epilogue wins depends on the shape (at large sizes the vendor GEMM is faster than
-the Triton one by more than that pass costs); --rope-in-gemm and --separate-rope are there to measure it. The
-backward pass needs nothing from this file in either form: the attention backward returns dq and dk rotated back,
-the gradients of the unrotated product. The arithmetic is the epilogue's: float32 on the stored (rounded)
-product, the result rounded once to qkv's dtype.
+the Triton one by more than that pass costs); --rope-in-gemm and --separate-rope are there to measure it. With
+version 4's attention kernels the backward pass needs nothing from this file in either form: their backward returns
+dq and dk rotated back, the gradients of the unrotated product. With the vendor's attention (fused_layers:
+vendor_attention_pays) the gradients come back rotated, and the inverse rotation here turns them back: RoPE is a
+rotation by an angle per position and column pair, so its transpose, and inverse, rotates by minus that angle.
+The arithmetic is the epilogue's: float32 on the stored (rounded) product, the result rounded once to qkv's dtype.
 
 A program rotates BLOCK_M rows x HEADS heads. It loads each head as its two halves (columns j and j + Dh/2 are
 the pairs rotate_half mixes), so no element is shuffled in registers, and reads the cos and sin tables once per
@@ -39,6 +43,7 @@ def _rotate_qk_kernel(
     sin_ptr,      # same shape: sin
     n_rows, dim, seq_len,
     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
+    INVERSE: tl.constexpr,   # rotate by minus the angle: sin(-a) = -sin(a), cos(-a) = cos(a)
 ):
     """Grid: (cdiv(n_rows, BLOCK_M), cdiv(2 * dim / HEAD_DIM, HEADS)). Heads are numbered over q then k. The row
     blocks are on the grid's first axis, which allows 2**31 - 1 programs (the second allows 65,535)."""
@@ -57,6 +62,8 @@ def _rotate_qk_kernel(
     sin1 = tl.load(sin_ptr + table)[:, None, :]
     cos2 = tl.load(cos_ptr + table + HALF)[:, None, :]
     sin2 = tl.load(sin_ptr + table + HALF)[:, None, :]
+    if INVERSE:
+        sin1, sin2 = -sin1, -sin2
     # rotate_half(t) = [-t2, t1], so t * cos + rotate_half(t) * sin is, half by half:
     out1 = x1 * cos1 - x2 * sin1
     out2 = x2 * cos2 + x1 * sin2
@@ -112,9 +119,10 @@ def shape_problem(n_rows: int, dim: int, head_dim: int) -> str | None:
 
 
 def rotate_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_len: int, head_dim: int,
-               launch: dict | None = None) -> torch.Tensor:
+               launch: dict | None = None, inverse: bool = False) -> torch.Tensor:
     """Rotates the q and k heads of qkv [N, 3D] (N = B * seq_len; row r is position r % seq_len) by RoPE, in
     place, and returns qkv. cos, sin: [>= seq_len, head_dim] tables (any float dtype; read as float32).
+    inverse: rotate by minus RoPE's angles instead (undoes a rotation; RoPE's backward).
     launch: BLOCK_M, HEADS and num_warps instead of _launch_config's (tune_qk_rotation.py's candidates)."""
     if qkv.dtype not in SUPPORTED_DTYPES or qkv.dim() != 2 or not qkv.is_contiguous():
         raise ValueError(f"need a contiguous qkv [N, 3D] in one of {SUPPORTED_DTYPES}; got {qkv.dtype} "
@@ -136,5 +144,5 @@ def rotate_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_len:
         if problem:
             raise ValueError(problem)
     _rotate_qk_kernel[_grid(n_rows, rotated_heads, config)](qkv, cos, sin, n_rows, dim, seq_len, HEAD_DIM=head_dim,
-                                                             **config)
+                                                             INVERSE=inverse, **config)
     return qkv

@@ -88,6 +88,21 @@ def test_rotated_qkv_gradients_match_float64(separate_rope, device):
     assert_matches(weight.grad, w64.grad, torch.float32, "grad W_qkv")
 
 
+def test_vendor_attention_reads_the_packed_layout(device):
+    """vendor_attention's views of the packed qkv and its [B, S, D] output, on PyTorch's math backend (any
+    machine), against plain_causal_attention: output and gradient in float64."""
+    from torch.nn.attention import SDPBackend
+    qkv = random((2, 7, 3 * 2 * 16), torch.float64, device, seed=421).requires_grad_(True)
+    grad_out = random((2, 7, 2 * 16), torch.float64, device, seed=422)
+    out = fused_layers.vendor_attention(qkv, 2, backend=SDPBackend.MATH)
+    (grad,) = torch.autograd.grad(out, qkv, grad_out)
+    qkv_ref = qkv.detach().clone().requires_grad_(True)
+    out_ref = plain_causal_attention(qkv_ref, 2)
+    (grad_ref,) = torch.autograd.grad(out_ref, qkv_ref, grad_out)
+    torch.testing.assert_close(out, out_ref)
+    torch.testing.assert_close(grad, grad_ref)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The rule, with stand-ins for the GPU
 # ----------------------------------------------------------------------------------------------------------
@@ -169,6 +184,29 @@ def test_v4_with_cudnn_attention_matches_v1_under_bfloat16(hidden_dim, num_heads
     model.use_vendor_attention(True)
     candidate = forward_backward(model, weights, inputs, targets, autocast_dtype=torch.bfloat16)
     assert compare(reference, candidate, 2e-2) == []   # test_versions.GPU_BFLOAT16
+
+
+@pytest.mark.gpu
+def test_the_rule_decides_in_the_model_even_when_its_first_forward_has_no_gradients(monkeypatch):
+    """No switch: at head dim 128 under bfloat16 the layers take cuDNN's attention on a Hopper GPU and ours on any
+    other, also when the model's first forward pass runs under no_grad (forward_backward's is: the rule's probe of
+    cuDNN must not read that as "cuDNN does not run"), and the model stays version 1's."""
+    from tinytransformer.config import ModelConfig
+    from version1_pytorch_baseline.tiny_llama_v1 import TinyLlama as V1
+    from version4_triton_ultra import tiny_llama_v4 as v4
+    fused_layers._VENDOR_ATTENTION_RUNS.clear()   # probed afresh, from inside the model
+    vendor_calls = []
+    real = v4.vendor_attention
+    monkeypatch.setattr(v4, "vendor_attention", lambda *a, **k: vendor_calls.append(1) or real(*a, **k))
+    config = ModelConfig(hidden_dim=256, num_heads=2)
+    weights = canonical(config, seed=1)
+    inputs, targets = random_batch(config, batch=8, seq=128, device="cuda", seed=2)
+    reference = forward_backward(V1(config).cuda(), weights, inputs, targets, autocast_dtype=torch.bfloat16)
+    candidate = forward_backward(v4.TinyLlama(config).cuda(), weights, inputs, targets, autocast_dtype=torch.bfloat16)
+    assert compare(reference, candidate, 2e-2) == []
+    hopper = torch.cuda.get_device_capability()[0] == fused_layers.VENDOR_ATTENTION_GPU_GENERATION
+    expected = hopper and fused_layers.vendor_attention_problem(torch.device("cuda"), torch.bfloat16, 128) is None
+    assert bool(vendor_calls) == expected
 
 
 @pytest.mark.gpu

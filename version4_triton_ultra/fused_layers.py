@@ -116,6 +116,8 @@ def vendor_attention_problem(device: torch.device, dtype: torch.dtype, head_dim:
         return f"cuDNN's fused attention takes bfloat16 or float16 q, k, v (--use-amp), not {dtype}"
     if not (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()):
         return "this PyTorch build has cuDNN's fused attention off or missing"
+    # cuda and cuda:0 are one GPU but two keys: the index is made explicit.
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     key = (device, dtype, head_dim)
     if key not in _VENDOR_ATTENTION_RUNS:
         if torch.cuda.is_current_stream_capturing():
@@ -126,9 +128,10 @@ def vendor_attention_problem(device: torch.device, dtype: torch.dtype, head_dim:
 
 def _cudnn_attention_runs(device, dtype, head_dim) -> bool:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    q = torch.ones(1, 1, 8, head_dim, device=device, dtype=dtype, requires_grad=True)   # no RNG drawn
     try:
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        # With gradients whatever the caller's mode (the first forward pass of a model may run under no_grad).
+        with torch.inference_mode(False), torch.enable_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            q = torch.ones(1, 1, 8, head_dim, device=device, dtype=dtype, requires_grad=True)   # no RNG drawn
             torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
         return True
     except RuntimeError:   # no cuDNN kernel for these inputs on this GPU
@@ -152,16 +155,17 @@ def uses_vendor_attention(chosen: bool | None, rope_form: str, device: torch.dev
     return vendor_attention_pays(device, dtype, head_dim) if chosen is None else chosen
 
 
-def vendor_attention(qkv: torch.Tensor, num_heads: int) -> torch.Tensor:
+def vendor_attention(qkv: torch.Tensor, num_heads: int, backend=None) -> torch.Tensor:
     """Causal attention of the packed qkv [B, S, 3D] (q and k already rotated) on cuDNN, through PyTorch's
     scaled_dot_product_attention and its autograd: out [B, S, D]. q, k and v are views of qkv (no copies); cuDNN
     writes its output in their memory order, [B, S, heads, Dh], which is [B, S, D] as it stands. In the backward
-    pass autograd gathers dq, dk and dv into one [B, S, 3D] gradient of qkv."""
+    pass autograd gathers dq, dk and dv into one new [B, S, 3D] gradient of qkv. backend: another of PyTorch's
+    attention backends instead of cuDNN's (the CPU tests use its math backend)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     batch, seq_len, width = qkv.shape
     dim = width // 3
     q, k, v = (t.transpose(1, 2) for t in qkv.view(batch, seq_len, 3, num_heads, dim // num_heads).unbind(2))
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if backend is None else backend):
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     return out.transpose(1, 2).reshape(batch, seq_len, dim)
 
@@ -195,8 +199,9 @@ class RotatedQKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_qkv):
         x_rows, qkv_gemm_weight, cos, sin = ctx.saved_tensors
-        # A gradient of our own to rotate in place: autograd's gathering of dq, dk, dv makes a new tensor, which
-        # contiguous() keeps; any other layout is copied first.
+        # A gradient of our own to rotate in place: autograd's gathering of dq, dk, dv (vendor_attention's
+        # backward) makes a new tensor, which contiguous() keeps; any other layout is copied first. (So qkv must
+        # not be used elsewhere: a gradient that autograd also hands to another consumer would be rotated too.)
         grad_rows = grad_qkv.contiguous().view(-1, grad_qkv.shape[-1])
         rotate_qk_(grad_rows, cos, sin, ctx.seq_len, ctx.head_dim, inverse=True)
         grad_x = grad_weight = None

@@ -607,6 +607,9 @@ def check_arguments(args, device):
         raise ConfigError(problem)
     config, train = resolve_configs(args)
     dtype = getattr(torch, train.amp_dtype) if train.use_amp else torch.float32
+    if device.type == "cuda":   # the GPU this rank will use (under torchrun before the harness selects it)
+        local_rank = distributed.launcher_int(os.environ, "LOCAL_RANK") if "LOCAL_RANK" in os.environ else 0
+        device = torch.device("cuda", local_rank)
     problem = forced_attention_problem(args, device, dtype, config.head_dim)
     if problem:
         raise ConfigError(problem)
@@ -655,6 +658,7 @@ def describe_rope(args) -> str:
 def describe_attention(args, on_gpu: bool) -> str:
     """Which attention this run's layers take (the header's attention line)."""
     chosen = getattr(args, "vendor_attention", None)
+    by_rule = chosen is None and on_gpu and not getattr(args, "rope_in_attention", False)
     if not on_gpu or getattr(args, "rope_in_attention", False):
         vendor = False
     elif chosen is not None:
@@ -665,7 +669,7 @@ def describe_attention(args, on_gpu: bool) -> str:
         vendor = uses_vendor_attention(None, "gemm", torch.device("cuda"), dtype, config.head_dim)
     text = ("cuDNN's fused attention (scaled_dot_product_attention), RoPE's backward a kernel of its own" if vendor
             else "version 4's Triton flash attention")
-    return text + (" (the faster one here)" if chosen is None and on_gpu else "")
+    return text + (" (the faster one here)" if by_rule else "")
 
 
 def describe(args) -> dict:

@@ -126,9 +126,8 @@ def parse_args(argv, prog: str = "profile_graphed_step.py"):
     if not torch.cuda.is_available():
         parser.error("needs a GPU (CUDA or ROCm): the step is a CUDA/HIP graph replay")
     from version4_triton_ultra import tiny_llama_v4 as v4
-    train = train_config(args)
-    dtype = getattr(torch, train.amp_dtype) if train.use_amp else torch.float32
-    problem = v4.forced_attention_problem(args, torch.device("cuda"), dtype, model_config(args).head_dim)
+    problem = v4.forced_attention_problem(args, torch.device("cuda"), v4.gemm_dtype_of(train_config(args)),
+                                          model_config(args).head_dim)
     if problem:
         parser.error(problem)
     return args

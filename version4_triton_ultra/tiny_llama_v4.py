@@ -562,11 +562,15 @@ def shape_problem_of_args(args) -> str | None:
     return shape_problem_of_run(args, *resolve_configs(args))
 
 
+def gemm_dtype_of(train) -> torch.dtype:
+    """The dtype this run's GEMMs and attention compute in: autocast's under --use-amp, else float32."""
+    return getattr(torch, train.amp_dtype) if train.use_amp else torch.float32
+
+
 def shape_problem_of_run(args, config: ModelConfig, train) -> str | None:
     """shape_problem for this model and training configuration, with the RoPE and SwiGLU forms that args' switches
     (or, without them, the size rules) choose; also profile_graphed_step.py's check."""
-    gemm_dtype = getattr(torch, train.amp_dtype) if train.use_amp else torch.float32
-    return shape_problem(config, train.batch_size, train.seq_len, gemm_dtype,
+    return shape_problem(config, train.batch_size, train.seq_len, gemm_dtype_of(train),
                          rope_form=rope_form_of_args(args, config, train),
                          swiglu_in_gemms=not separate_swiglu_of_args(args, config, train))
 
@@ -602,15 +606,15 @@ def check_arguments(args, device):
                           "bfloat16 dot products wrongly; run float32 on the CPU or use a GPU")
     if args.graph_warmup_steps < 1:
         raise ConfigError("--graph-warmup-steps must be at least 1 (the optimizer state must exist before capture)")
-    problem = shape_problem_of_args(args)
+    config, train = resolve_configs(args)
+    problem = shape_problem_of_run(args, config, train)
     if problem:
         raise ConfigError(problem)
-    config, train = resolve_configs(args)
-    dtype = getattr(torch, train.amp_dtype) if train.use_amp else torch.float32
+    probed = device
     if device.type == "cuda":   # the GPU this rank will use (under torchrun before the harness selects it)
-        local_rank = distributed.launcher_int(os.environ, "LOCAL_RANK") if "LOCAL_RANK" in os.environ else 0
-        device = torch.device("cuda", local_rank)
-    problem = forced_attention_problem(args, device, dtype, config.head_dim)
+        probed = torch.device("cuda", distributed.launcher_int(os.environ, "LOCAL_RANK")
+                              if "LOCAL_RANK" in os.environ else 0)
+    problem = forced_attention_problem(args, probed, gemm_dtype_of(train), config.head_dim)
     if problem:
         raise ConfigError(problem)
     apply_tf32_argument(args, device)
@@ -658,15 +662,13 @@ def describe_rope(args) -> str:
 def describe_attention(args, on_gpu: bool) -> str:
     """Which attention this run's layers take (the header's attention line)."""
     chosen = getattr(args, "vendor_attention", None)
-    by_rule = chosen is None and on_gpu and not getattr(args, "rope_in_attention", False)
-    if not on_gpu or getattr(args, "rope_in_attention", False):
-        vendor = False
-    elif chosen is not None:
-        vendor = chosen
-    else:   # as the layers decide: by GPU, dtype and head dim
+    ours_only = not on_gpu or getattr(args, "rope_in_attention", False)   # cuDNN's needs a GPU and RoPE before it
+    by_rule = chosen is None and not ours_only
+    if by_rule:   # as the layers decide: by GPU, dtype and head dim
         config, train = resolve_configs(args)
-        dtype = getattr(torch, train.amp_dtype) if train.use_amp else torch.float32
-        vendor = uses_vendor_attention(None, "gemm", torch.device("cuda"), dtype, config.head_dim)
+        vendor = uses_vendor_attention(None, "gemm", torch.device("cuda"), gemm_dtype_of(train), config.head_dim)
+    else:
+        vendor = bool(chosen) and not ours_only
     text = ("cuDNN's fused attention (scaled_dot_product_attention), RoPE's backward a kernel of its own" if vendor
             else "version 4's Triton flash attention")
     return text + (" (the faster one here)" if by_rule else "")

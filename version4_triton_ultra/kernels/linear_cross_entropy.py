@@ -40,7 +40,8 @@ MAX_BLOCK_V = 4096
 # with 8 (16 a thread) on an H200, the kernel alone (tune_cross_entropy.py; benchmarks/results/kernel_time/
 # h200_cross_entropy_launch.json): 4,160 rows of V = 32,000 (a chunk of the medium and large presets) 261 -> 226
 # us, the small preset's 4,096 x 4,096 33.0 -> 29.3 us. (Blocks of 2,048 or 8,192 entries were slower or no faster
-# at V = 32,000, and 4 warps slower.)
+# at V = 32,000, and 4 warps slower; so was a block of the whole row, read once: 32,768 entries took 279 us with 32
+# warps and 347 with 16, h200_cross_entropy_whole_row.json.)
 MAX_WARPS = 8
 # Default chunk: this many bytes of logits. Each chunk after the first also adds a [V, D] float32 matmul
 # result into grad_weight. Where the GEMM cannot add it itself (accumulate_matmul: float32 operands use addmm_,

@@ -283,6 +283,16 @@ def test_the_tile_tuners_check_passes_the_kernels_and_catches_a_wrong_answer(dev
     assert tune.relative_error(out * 1.01, want_out) > 100 * tolerance   # a 1% error is caught
 
 
+def test_the_tile_tuners_candidates_flag_reads_tiles():
+    """--candidates M,N,W,S: four numbers within what the kernels and both vendors take; anything else is a
+    ValueError that names the expected form (the parser turns it into one line)."""
+    from version4_triton_ultra import tune_attention_tiles as tune
+    assert tune.tiles_of("32,128,4,5") == (32, 128, 4, 5)
+    for bad in ("64,64,4", "64,64,4,2,1", "8,64,4,1", "512,64,4,1", "64,96,4,1", "64,64,3,1", "64,64,4,9", "a,b,c,d"):
+        with pytest.raises(ValueError, match="BLOCK_M,BLOCK_N,WARPS,STAGES"):
+            tune.tiles_of(bad)
+
+
 @pytest.fixture
 def tune_module():
     """tune_attention_tiles, imported before a test switches the interpreter off (its import checks for a GPU)."""
@@ -306,7 +316,9 @@ def test_the_tile_tuner_pins_the_other_kernels(tune_module, known_gpu):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("flags", [[], ["--shape", "8x16"], ["--kernels", "fwd"], ["--others", "v3"]])
+@pytest.mark.parametrize("flags", [[], ["--shape", "8x16"], ["--kernels", "fwd"], ["--others", "v3"],
+                                   ["--candidates", "64,64,4"], ["--candidates", "48,64,4,1"],
+                                   ["--candidates", "64,64,4,0"], ["--candidates", "64,64,32,2"]])
 def test_the_tile_tuner_needs_a_gpu_and_good_flags(flags):
     assert_refused_in_one_line("tune_attention_tiles.py", flags)
 

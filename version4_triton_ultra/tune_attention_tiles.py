@@ -4,6 +4,7 @@
     python tune_attention_tiles.py --shape 16x16x512 --head-dim 64     (the medium preset's)
     python tune_attention_tiles.py --kernels dq,dkdv --dtype float16
     python tune_attention_tiles.py --others portable                   (the other kernels on version 3's tiles)
+    python tune_attention_tiles.py --shape 16x16x512 --head-dim 64 --kernels dkdv --candidates 32,128,4,3 32,128,4,5
 
 kernels/flash_attention.py launches its three kernels with FIXED tiles, warps and pipeline stages
 (`_launch_config`). This script replaces one kernel's choice at a time (the other two keep theirs), times the
@@ -12,10 +13,11 @@ model's backward does) with the kernel benchmark's median of triton.testing.do_b
 one-sequence, two-head problem of the same length against attention computed in float64. A configuration is worth
 adopting only if it is faster AND right: the "error" column is the largest relative error of out (forward) or of
 dq, dk, dv (backward), and "WRONG" marks one above the tolerance the kernel tests use. The first row of each
-kernel is the tiles it runs with now. --others says what the kernels not being tuned run with: `current` (the
+kernel is the tiles it runs with now, the others a built-in list per kernel or --candidates (tried for every
+kernel of --kernels). --others says what the kernels not being tuned run with: `current` (the
 module's rule on this GPU) or `portable` (version 3's rule, as they ran when the Hopper tiles were chosen:
-benchmarks/results/kernel_time/h100_attention_tiles_by_shape.json). Needs a GPU (version 3's tune_flash_attention.py is the same idea for its
-kernels, timed from CUDA graphs).
+benchmarks/results/kernel_time/h100_attention_tiles_by_shape.json). Needs a GPU (version 3's
+tune_flash_attention.py is the same idea for its kernels, timed from CUDA graphs).
 """
 import math
 import sys
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from tinytransformer.cli import OneLineParser  # noqa: E402
 from tinytransformer.kernel_bench.timing import median_ms  # noqa: E402
-from tinytransformer.kernel_bench.tuner_cli import refuse_without_gpu  # noqa: E402
+from tinytransformer.kernel_bench.tuner_cli import candidates_from_flags, refuse_without_gpu  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
 
 enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
@@ -47,6 +49,20 @@ CANDIDATES = {
 }
 
 
+def tiles_of(text: str) -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) from "M,N,W,S"; ValueError saying what was expected otherwise.
+    Blocks are powers of two from 16 (the smallest tile tl.dot takes) to 256, warps a power of two up to 16 (the
+    most wavefronts of 64 an AMD workgroup holds), stages 1 to 8."""
+    parts = text.split(",")
+    if len(parts) == 4 and all(p.isdigit() for p in parts):
+        block_m, block_n, warps, stages = (int(p) for p in parts)
+        blocks_ok = all(16 <= b <= 256 and b & (b - 1) == 0 for b in (block_m, block_n))
+        if blocks_ok and 1 <= warps <= 16 and warps & (warps - 1) == 0 and 1 <= stages <= 8:
+            return block_m, block_n, warps, stages
+    raise ValueError(f"expected BLOCK_M,BLOCK_N,WARPS,STAGES (blocks powers of two from 16 to 256, warps a power of "
+                     f"two up to 16, stages 1 to 8; e.g. 64,64,4,2), got {text!r}")
+
+
 def parse_args(argv):
     parser = OneLineParser(prog="tune_attention_tiles.py", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="8x16x1024", help="batch x heads x sequence [8x16x1024]")
@@ -55,7 +71,11 @@ def parse_args(argv):
     parser.add_argument("--kernels", default="forward,dq,dkdv", help="comma-separated, from forward,dq,dkdv [all]")
     parser.add_argument("--others", choices=["current", "portable"], default="current",
                         help="tiles of the kernels not being tuned: this GPU's rule, or version 3's [current]")
+    parser.add_argument("--candidates", nargs="+", metavar="M,N,W,S",
+                        help="tiles to try for every kernel of --kernels: BLOCK_M,BLOCK_N,WARPS,STAGES (for dk/dv "
+                             "BLOCK_N is the keys a program owns, BLOCK_M the query step) [a built-in list per kernel]")
     args = parser.parse_args(argv)
+    args.candidates = candidates_from_flags(parser, args.candidates, tiles_of, [])
     parts = args.shape.lower().split("x")
     if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
         parser.error(f"--shape: expected BATCHxHEADSxSEQ (e.g. 8x16x1024), got {args.shape!r}")
@@ -162,7 +182,8 @@ def main(argv=None) -> int:
     for kernel in args.kernels:
         current = original(args.head_dim, dtype, args.seq_len, kernel)
         current_tiles = (current["BLOCK_M"], current["BLOCK_N"], current["num_warps"], current["num_stages"])
-        for tiles in [current_tiles] + [t for t in CANDIDATES[kernel] if t != current_tiles]:
+        candidates = args.candidates or CANDIDATES[kernel]
+        for tiles in [current_tiles] + [t for t in candidates if t != current_tiles]:
             fa._launch_config = with_tiles(kernel, tiles, others)
             try:
                 us, error = measure(kernel, timed, checked, reference, dtype)

@@ -3,9 +3,9 @@ one line naming the flag, exit status 2, before anything is built or compiled.
 
 Candidate launches ("A,B,C", each a power of two): tune_qk_rotation.py (ROWS,HEADS,WARPS), tune_adamw.py
 (ELEMENTS,WARPS) and tune_cross_entropy.py (BLOCK_V,WARPS) read their --candidates with powers_of_two and
-candidates_from_flags; tune_norm_backward.py (whose candidates have a field that is not a power of two) with the
-second only. --output-json is proven writable up front (prove_output_json), and a machine without a GPU is refused
-(refuse_without_gpu) by every one of them.
+candidates_from_flags; tune_norm_backward.py and tune_attention_tiles.py (whose candidates have a field that is not
+a power of two) with the second only. --output-json is proven writable up front (prove_output_json), and a machine
+without a GPU is refused (refuse_without_gpu) by every one of them.
 """
 from __future__ import annotations
 

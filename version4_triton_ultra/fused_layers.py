@@ -178,6 +178,18 @@ def _rotated_qkv(x_rows, qkv_gemm_weight, cos, sin, seq_len, head_dim, separate_
     return qkv_rope(x_rows, qkv_gemm_weight, cos, sin, seq_len, head_dim)
 
 
+def _qkv_gemm_backward(ctx, grad_rows, x_rows, qkv_gemm_weight):
+    """(grad_x, grad_weight) of the QKV GEMM from the gradient of its unrotated output [N, 3D], for the Functions
+    below: grad_x first (the critical path), then the float32 weight gradient (queued on the weight-gradient stream
+    when there is one, which hands back None); each only where autograd asks for it."""
+    grad_x = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        grad_x = (grad_rows @ qkv_gemm_weight).view(ctx.x_shape)
+    if ctx.needs_input_grad[1]:
+        grad_weight = weight_gradient(ctx.weight, grad_rows, x_rows, ctx.weight_grad_stream)
+    return grad_x, grad_weight
+
+
 class RotatedQKV(torch.autograd.Function):
     """qkv = RoPE(x @ W_qkv^T) [B, S, 3D], q and k rotated, for an attention that is not ours (vendor_attention).
 
@@ -204,11 +216,7 @@ class RotatedQKV(torch.autograd.Function):
         # not be used elsewhere: a gradient that autograd also hands to another consumer would be rotated too.)
         grad_rows = grad_qkv.contiguous().view(-1, grad_qkv.shape[-1])
         rotate_qk_(grad_rows, cos, sin, ctx.seq_len, ctx.head_dim, inverse=True)
-        grad_x = grad_weight = None
-        if ctx.needs_input_grad[0]:   # first: the critical path
-            grad_x = (grad_rows @ qkv_gemm_weight).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            grad_weight = weight_gradient(ctx.weight, grad_rows, x_rows, ctx.weight_grad_stream)
+        grad_x, grad_weight = _qkv_gemm_backward(ctx, grad_rows, x_rows, qkv_gemm_weight)
         return grad_x, grad_weight, None, None, None, None, None, None
 
 
@@ -244,11 +252,7 @@ class RotaryQKVAttention(torch.autograd.Function):
         grad_qkv = packed_attention_backward(qkv, out, lse, grad_out, ctx.num_heads, causal=True,
                                              precise_fp32=ctx.precise_fp32, rope=(cos, sin))
         grad_rows = grad_qkv.view(-1, grad_qkv.shape[-1])
-        grad_x = grad_weight = None
-        if ctx.needs_input_grad[0]:   # first: the critical path
-            grad_x = (grad_rows @ qkv_gemm_weight).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            grad_weight = weight_gradient(ctx.weight, grad_rows, x_rows, ctx.weight_grad_stream)
+        grad_x, grad_weight = _qkv_gemm_backward(ctx, grad_rows, x_rows, qkv_gemm_weight)
         return grad_x, grad_weight, None, None, None, None, None, None, None
 
 

@@ -39,6 +39,7 @@ GRAPH_LAUNCH = {"cuda": ("cuda_runtime", "cudaGraphLaunch"), "rocm": ("cuda_runt
     ("triton_red_fused__log_softmax_nll_loss_forward_0", "cross_entropy"),
     ("_cross_entropy_rows_kernel", "cross_entropy"),
     ("_scale_pair_kernel", "cross_entropy"),
+    ("_inverse_count_kernel", "cross_entropy"),
     # our Triton kernels
     ("_flash_attention_backward_dkdv_kernel", "attention"),
     ("_add_rms_norm_backward_kernel", "rmsnorm"),

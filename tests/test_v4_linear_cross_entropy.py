@@ -99,6 +99,20 @@ def test_every_launch_of_the_loss_kernel_gives_the_loss_and_gradient(launch, dev
     assert got_loss[3] == 0 and not got_grad[3].any()   # the ignored row
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_loss_tuners_check_passes_the_kernel_as_the_step_runs_it(dtype, device):
+    """tune_cross_entropy.py checks the gradient the step's kernel writes: divided by the rows in float32 (and
+    bfloat16), undivided in float16; and it fails a gradient that is off."""
+    from version4_triton_ultra import tune_cross_entropy
+    logits = random((6, 300), dtype, device, seed=83, scale=3.0)
+    targets = torch.tensor([0, 5, 299, 17, 100, 3], device=device)
+    want = tune_cross_entropy.reference(logits, targets)
+    assert (tune_cross_entropy.grad_scale_of(logits) is None) == (dtype == torch.float16)
+    assert tune_cross_entropy.check(logits, targets, want, (64, 1)) == "ok"
+    want_loss, want_grad = want
+    assert tune_cross_entropy.check(logits, targets, (want_loss, want_grad * 1.1), (64, 1)) == "WRONG"
+
+
 def test_the_loss_kernels_launch_rule():
     assert lce.cross_entropy_launch(32000)[0] == lce.MAX_BLOCK_V   # a long row loops over blocks
     assert lce.cross_entropy_launch(1000)[0] == 1024               # a short one is one block
@@ -154,6 +168,33 @@ def test_linear_cross_entropy_scales_by_grad_output(device):
     assert_matches(weight.grad, 3.5 * ref_grad_weight, torch.float32, "grad weight")
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_scaled_pair_scales_in_place_and_leaves_a_scale_of_one_alone(scale, device):
+    """A gradient already in its dtype is scaled in place (no copy; at a scale of exactly 1 not even read or
+    written), one in another dtype into a new tensor."""
+    same = random((5, 70), torch.float32, device, seed=141)
+    other = random((3, 33), torch.float16, device, seed=142)
+    same_before, other_before = same.clone(), other.clone()
+    grad_output = torch.tensor([scale], device=device)
+    got_same, got_other = lce.scaled_pair(same, torch.float32, other, torch.float32, grad_output)
+    assert got_same is same and got_other is not other and got_other.dtype == torch.float32
+    assert torch.equal(same, same_before * scale)
+    assert torch.equal(got_other, other_before.float() * scale)
+    got_none, got_one = lce.scaled_pair(None, torch.float32, other, torch.float32, grad_output, torch.tensor(
+        [0.25], device=device))
+    assert got_none is None and torch.equal(got_one, other_before.float() * (scale * 0.25))
+
+
+def test_linear_cross_entropy_refuses_a_second_backward(device):
+    """Its gradients are handed over (and scaled in place) by the first backward: a second one through the same
+    loss says so instead of returning them scaled twice."""
+    hidden, weight, targets = make_head_inputs(12, 16, 40, torch.float32, device, seed=151)
+    loss = lce.linear_cross_entropy(hidden, weight, targets)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("needs_grad", ["weight", "hidden"])
 def test_linear_cross_entropy_only_one_input_needs_grad(needs_grad, device):
     """The backward's one scaling kernel then scales the one gradient there is."""
@@ -176,9 +217,9 @@ def test_linear_cross_entropy_inference_computes_loss_only(how, monkeypatch, dev
     launches = []
     launch = lce.cross_entropy_rows_
 
-    def recording_launch(logits, targets, row_loss, ignore_index, compute_grad):
+    def recording_launch(logits, targets, row_loss, ignore_index, compute_grad, **kwargs):
         launches.append(compute_grad)
-        return launch(logits, targets, row_loss, ignore_index, compute_grad)
+        return launch(logits, targets, row_loss, ignore_index, compute_grad, **kwargs)
 
     monkeypatch.setattr(lce, "cross_entropy_rows_", recording_launch)
     if how == "no_grad":

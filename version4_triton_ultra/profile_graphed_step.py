@@ -62,7 +62,7 @@ KERNEL_FAMILIES = (
     ("RoPE after a vendor GEMM (Triton)", r"rotate_qk"),   # --separate-rope
     ("GEMMs (vendor BLAS)", r"gemm|nvjet|cutlass|Cijk_|splitKreduce|cublas"),
     ("norms", r"rms_norm|native::reduce_kernel"),   # reduce_kernel: norm weight-gradient sums, in older versions
-    ("loss", r"cross_entropy|mean_loss|_scale_pair_kernel"),
+    ("loss", r"cross_entropy|mean_loss|inverse_count|_scale_pair_kernel"),
     ("optimizer and weight copies", r"multi_tensor_apply|adamw"),
     ("embedding", r"embedding|gather|indexFunc"),   # since the first norm does the lookup: none in version 4
 )

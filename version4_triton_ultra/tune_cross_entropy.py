@@ -4,7 +4,8 @@
     python tune_cross_entropy.py --preset small --candidates 4096,4 4096,8 --output-json runs/loss_small.json
 
 The fused head computes its logits a chunk of rows at a time; for each chunk one kernel computes every row's loss
-and overwrites the logits with the loss's gradient, softmax - onehot(target). A row longer than a block is read
+and overwrites the logits with the loss's gradient, softmax - onehot(target), divided by the number of rows that
+count in bfloat16 and float32 (as the step's kernel does: DIVIDED_IN_FORWARD). A row longer than a block is read
 twice (its log-sum-exp first, then the gradient) and written once, so the kernel streams: its goal is the memory
 bandwidth. Its launch is the block of vocabulary entries a program takes at a time and the warps of the one
 program a row (kernels/linear_cross_entropy.py: cross_entropy_launch). Each candidate is BLOCK_V,WARPS (powers
@@ -93,12 +94,23 @@ def reference(logits: torch.Tensor, targets: torch.Tensor):
     return loss, grad
 
 
+def grad_scale_of(logits: torch.Tensor):
+    """What the step's loss kernel multiplies the gradient by for logits of this dtype: 1 / rows (every target
+    counts here) where the forward pass divides (DIVIDED_IN_FORWARD), else None (unscaled)."""
+    if logits.dtype not in lce.DIVIDED_IN_FORWARD:
+        return None
+    return torch.tensor([1.0 / logits.shape[0]], dtype=torch.float32, device=logits.device)
+
+
 def check(logits, targets, want, launch) -> str:
     got_grad, got_loss = logits.clone(), torch.empty(len(targets), dtype=torch.float32, device=logits.device)
-    lce.cross_entropy_rows_(got_grad, targets, got_loss, launch=launch)
+    grad_scale = grad_scale_of(logits)
+    lce.cross_entropy_rows_(got_grad, targets, got_loss, launch=launch, grad_scale=grad_scale)
     want_loss, want_grad = want
     loss_ok = torch.allclose(got_loss.double(), want_loss, rtol=LOSS_TOLERANCE, atol=LOSS_TOLERANCE)
-    grad_ok = (got_grad.double() - want_grad).abs().max().item() <= GRADIENT_TOLERANCE[logits.dtype]
+    # Compared undivided: the rounding of a divided value is relative to it, as the tolerance is to 1.
+    got_undivided = got_grad.double() / (grad_scale.item() if grad_scale is not None else 1.0)
+    grad_ok = (got_undivided - want_grad).abs().max().item() <= GRADIENT_TOLERANCE[logits.dtype]
     return "ok" if loss_ok and grad_ok else "WRONG"
 
 
@@ -116,6 +128,7 @@ def main(argv=None) -> int:
     logit_bytes = logits.numel() * logits.element_size()
     copies = [logits.clone() for _ in range(buffer_count(logit_bytes))]
     row_loss = torch.empty(args.rows, dtype=torch.float32, device="cuda")
+    grad_scale = grad_scale_of(logits)
     graphs, verdicts, bytes_moved = {}, {}, {}
     rule = lce.cross_entropy_launch(args.vocab_size)
     launches = {"the rule ({}, {} warps)".format(*rule): rule, **{label(c): c for c in args.candidates}}
@@ -124,7 +137,8 @@ def main(argv=None) -> int:
             verdicts[name] = check(logits, targets, want, launch)
             turns = itertools.cycle(copies)
             graphs[name] = captured_launches(
-                lambda launch=launch: lce.cross_entropy_rows_(next(turns), targets, row_loss, launch=launch),
+                lambda launch=launch: lce.cross_entropy_rows_(next(turns), targets, row_loss, launch=launch,
+                                                              grad_scale=grad_scale),
                 LAUNCHES_PER_GRAPH)
             bytes_moved[name] = logit_bytes * (2 if args.vocab_size <= launch[0] else 3)
         except Exception as why:   # noqa: BLE001 - a launch this GPU cannot compile or run is not a candidate

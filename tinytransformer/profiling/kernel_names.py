@@ -34,7 +34,7 @@ import functools
 import re
 
 # Name patterns that are both a family and a model part of a replay's forward pass (written once for both).
-LOSS = r"cross_entropy|log_softmax|logsoftmax|nll_loss|mean_loss"
+LOSS = r"cross_entropy|log_softmax|logsoftmax|nll_loss|mean_loss|inverse_count"
 RMSNORM = r"rms_norm|rmsnorm"
 ROPE = r"rope|rotate"
 SWIGLU = r"swiglu|silu"

@@ -19,9 +19,14 @@ more than one chunk of logits:
 Since the gradient is computed in forward, backward only multiplies the two saved gradients by the incoming
 grad_output (a scalar). Without any input that requires grad, only the loss is computed.
 
-Why the kernel writes softmax - onehot and not (softmax - onehot) / n_valid: in float16 the scaled values
-(about 1 / (V * n_valid), e.g. 1e-9) fall below float16's smallest normal number (6e-5) and flush to zero.
-Unscaled, they are probabilities, which float16 holds well; the 1/n_valid is applied afterwards in float32.
+The mean's 1/n_valid: in bfloat16 and float32 the kernel writes (softmax - onehot) / n_valid, n_valid counted
+from the targets before the first chunk, so both gradients leave the forward pass already divided. Backward then
+multiplies them by grad_output in place, and when grad_output is exactly 1 (loss.backward() on the mean loss, as
+a training step does) its kernel reads that 1 and touches nothing: at the medium preset that saves reading and
+writing the [32000, 1024] float32 weight gradient, ~70 us a step on an H200. In float16 the divided values
+(about 1 / (V * n_valid), e.g. 1e-9) would fall below float16's smallest normal number (6e-5) and flush to zero,
+so float16 logits get softmax - onehot (probabilities, which float16 holds well) and backward applies 1/n_valid
+in float32 with grad_output.
 
 The kernel: one program per row streams over V in blocks of BLOCK_V (V may be 32000, not a power of two).
 First pass: an "online" max and sum of exponentials, rescaling the running sum whenever the max grows, so the
@@ -56,6 +61,9 @@ MAX_WARPS = 8
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 # Chunk lengths are multiples of this (matmul tiles are usually 64 or 128 rows).
 CHUNK_ROW_MULTIPLE = 64
+# The logits' dtypes whose gradient the loss kernel divides by n_valid itself (float32's exponent range): see
+# the module docstring. float16's gradient is divided in the backward pass instead.
+DIVIDED_IN_FORWARD = (torch.float32, torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -66,8 +74,10 @@ def _cross_entropy_rows_kernel(
     logits_ptr,                 # [rows, V] in, contiguous; with COMPUTE_GRAD, overwritten by softmax - onehot
     targets_ptr,                # [rows] int64
     row_loss_ptr,               # [rows] float32 out: logsumexp - logit[target], 0 for ignored rows
+    grad_scale_ptr,             # [1] float32, what the gradient is multiplied by (with SCALE_GRAD)
     vocab_size, ignore_index,
     COMPUTE_GRAD: tl.constexpr,
+    SCALE_GRAD: tl.constexpr,   # multiply the gradient by grad_scale (1 / n_valid), else leave it unscaled
     BLOCK_V: tl.constexpr,
     ONE_BLOCK: tl.constexpr,    # V <= BLOCK_V: one read of the row instead of two passes
 ):
@@ -76,6 +86,7 @@ def _cross_entropy_rows_kernel(
     row_logits_ptr = logits_ptr + row.to(tl.int64) * vocab_size
     target = tl.load(targets_ptr + row)
     is_valid = target != ignore_index
+    grad_scale = tl.load(grad_scale_ptr) if SCALE_GRAD else 1.0
 
     if ONE_BLOCK:
         # The whole row fits in one block (V <= BLOCK_V, e.g. the seed's 1000): read it once and keep it in
@@ -89,7 +100,7 @@ def _cross_entropy_rows_kernel(
         tl.store(row_loss_ptr + row, tl.where(is_valid, log_sum_exp - target_logit, 0.0))
         if COMPUTE_GRAD:
             grad = tl.exp(x - log_sum_exp) - tl.where(cols == target, 1.0, 0.0)
-            grad = tl.where(is_valid, grad, 0.0)
+            grad = tl.where(is_valid, grad * grad_scale, 0.0)
             tl.store(row_logits_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
     else:
         # Pass 1: running max m and running sum s of exp(x - m), all in float32 whatever the logits' dtype.
@@ -116,7 +127,7 @@ def _cross_entropy_rows_kernel(
                 mask = cols < vocab_size
                 x = tl.load(row_logits_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 grad = tl.exp(x - log_sum_exp) - tl.where(cols == target, 1.0, 0.0)
-                grad = tl.where(is_valid, grad, 0.0)
+                grad = tl.where(is_valid, grad * grad_scale, 0.0)
                 tl.store(row_logits_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
@@ -133,40 +144,67 @@ def _mean_loss_kernel(
     for the few thousand rows of a batch, and it adds the rows in a fixed order (deterministic).
     """
     total = tl.zeros([BLOCK], dtype=tl.float32)
-    count = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_rows, BLOCK):
         rows = start + tl.arange(0, BLOCK)
-        in_range = rows < n_rows
-        total += tl.load(row_loss_ptr + rows, mask=in_range, other=0.0)
-        target = tl.load(targets_ptr + rows, mask=in_range, other=ignore_index)
-        count += tl.where(in_range & (target != ignore_index), 1.0, 0.0)
-    n_valid = tl.sum(count, axis=0)
+        total += tl.load(row_loss_ptr + rows, mask=rows < n_rows, other=0.0)
+    n_valid = _count_valid(targets_ptr, n_rows, ignore_index, BLOCK)
     # With every target ignored this is 0/0 = nan, as in F.cross_entropy.
     tl.store(loss_ptr, tl.sum(total, axis=0) / n_valid)
     tl.store(inv_count_ptr, 1.0 / n_valid)
 
 
 @triton.jit
+def _inverse_count_kernel(targets_ptr, inv_count_ptr, n_rows, ignore_index, BLOCK: tl.constexpr):
+    """One program: 1 / (number of targets not ignored), before the chunks, for the loss kernel to divide by."""
+    tl.store(inv_count_ptr, 1.0 / _count_valid(targets_ptr, n_rows, ignore_index, BLOCK))
+
+
+@triton.jit
+def _count_valid(targets_ptr, n_rows, ignore_index, BLOCK: tl.constexpr):
+    """The number of targets not equal to ignore_index, as a float32 scalar."""
+    count = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        in_range = rows < n_rows
+        target = tl.load(targets_ptr + rows, mask=in_range, other=ignore_index)
+        count += tl.where(in_range & (target != ignore_index), 1.0, 0.0)
+    return tl.sum(count, axis=0)
+
+
+@triton.jit
 def _scale_pair_kernel(a_ptr, a_out_ptr, a_elements, a_programs, b_ptr, b_out_ptr, b_elements,
-                       grad_output_ptr, inv_count_ptr, BLOCK: tl.constexpr):
-    """a_out = a * s and b_out = b * s, s = grad_output * inv_count (two float32 scalars in device memory),
-    computed in float32 and rounded once to the outputs' dtypes. The first a_programs programs scale a, the
-    others b: the backward pass of the loss is this one kernel.
+                       grad_output_ptr, inv_count_ptr, HAS_INV_COUNT: tl.constexpr,
+                       A_IN_PLACE: tl.constexpr, B_IN_PLACE: tl.constexpr, BLOCK: tl.constexpr):
+    """a_out = a * s and b_out = b * s, s = grad_output (* inv_count with HAS_INV_COUNT; float32 scalars in
+    device memory), computed in float32 and rounded once to the outputs' dtypes. The first a_programs programs
+    scale a, the others b: the backward pass of the loss is this one kernel. An output that is its input
+    (X_IN_PLACE) is left untouched when s is exactly 1: nothing to read or write.
 
     PyTorch would take three kernels (the scalar product and two multiplications), and computes a 16-bit tensor
     times a float32 scalar tensor with its general (not vectorised) kernel: 16.9 us for the [16384, 256]
     bfloat16 grad_hidden of batch 32 x seq 512 on an H100, against the ~6 us that reading and writing 16 MB
     takes."""
-    scale = tl.load(grad_output_ptr) * tl.load(inv_count_ptr)
+    scale = tl.load(grad_output_ptr)
+    if HAS_INV_COUNT:
+        scale = scale * tl.load(inv_count_ptr)
     program = tl.program_id(0)
     if program < a_programs:
-        _scale_block(a_ptr, a_out_ptr, a_elements, program, scale, BLOCK)
+        _scale_block(a_ptr, a_out_ptr, a_elements, program, scale, A_IN_PLACE, BLOCK)
     else:
-        _scale_block(b_ptr, b_out_ptr, b_elements, program - a_programs, scale, BLOCK)
+        _scale_block(b_ptr, b_out_ptr, b_elements, program - a_programs, scale, B_IN_PLACE, BLOCK)
 
 
 @triton.jit
-def _scale_block(x_ptr, out_ptr, n_elements, block, scale, BLOCK: tl.constexpr):
+def _scale_block(x_ptr, out_ptr, n_elements, block, scale, IN_PLACE: tl.constexpr, BLOCK: tl.constexpr):
+    if IN_PLACE:
+        if scale != 1.0:
+            _scale_values(x_ptr, out_ptr, n_elements, block, scale, BLOCK)
+    else:
+        _scale_values(x_ptr, out_ptr, n_elements, block, scale, BLOCK)
+
+
+@triton.jit
+def _scale_values(x_ptr, out_ptr, n_elements, block, scale, BLOCK: tl.constexpr):
     offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n_elements
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -185,10 +223,12 @@ def _new_output(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def cross_entropy_rows_(logits, targets, row_loss, ignore_index=-100, compute_grad=True, launch=None):
+def cross_entropy_rows_(logits, targets, row_loss, ignore_index=-100, compute_grad=True, launch=None,
+                        grad_scale=None):
     """Per-row cross-entropy of `logits` [rows, V] (contiguous) into `row_loss` [rows] float32.
 
-    With compute_grad, `logits` is overwritten in place by softmax - onehot(target) (zeros on ignored rows).
+    With compute_grad, `logits` is overwritten in place by softmax - onehot(target) (zeros on ignored rows),
+    multiplied by grad_scale (a one-element float32 tensor on the device) if given.
     launch: (BLOCK_V, warps), powers of two, for a tuner to time; None: the rule (cross_entropy_launch).
     """
     n_rows, vocab_size = logits.shape
@@ -196,9 +236,9 @@ def cross_entropy_rows_(logits, targets, row_loss, ignore_index=-100, compute_gr
         return
     block_v, num_warps = cross_entropy_launch(vocab_size) if launch is None else launch
     _cross_entropy_rows_kernel[(n_rows,)](
-        logits, targets, row_loss, vocab_size, ignore_index,
-        COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, ONE_BLOCK=vocab_size <= block_v,
-        num_warps=num_warps)
+        logits, targets, row_loss, row_loss if grad_scale is None else grad_scale, vocab_size, ignore_index,
+        COMPUTE_GRAD=compute_grad, SCALE_GRAD=grad_scale is not None, BLOCK_V=block_v,
+        ONE_BLOCK=vocab_size <= block_v, num_warps=num_warps)
 
 
 def cross_entropy_launch(vocab_size):
@@ -212,30 +252,43 @@ def mean_loss(row_loss, targets, ignore_index=-100):
     """(mean of row_loss over the rows whose target is not ignore_index, 1 / that count): two float32 scalars
     on the device, from one kernel (no host synchronisation)."""
     out = _new_output((2,), torch.float32, row_loss.device)
-    # Up to 16384 rows per iteration: one program walks the rows, so few long iterations beat many short ones
-    # (measured on an H100 at 16384 rows: 21.7 us with 1024-row blocks; in version 4's batch-32 step, 10.1 us with
-    # 4096-row blocks and 8 warps, 4.0 us with one 16384-row block and 16 warps).
-    block = min(16384, triton.next_power_of_2(max(row_loss.shape[0], 16)))
-    num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+    block, num_warps = _one_program_launch(row_loss.shape[0])
     _mean_loss_kernel[(1,)](row_loss, targets, out, out[1:], row_loss.shape[0], ignore_index, BLOCK=block,
                             num_warps=num_warps)
     return out[0], out[1]
+
+
+def inverse_count(targets, ignore_index=-100):
+    """1 / (number of targets not equal to ignore_index): a one-element float32 tensor on targets' device."""
+    out = _new_output((1,), torch.float32, targets.device)
+    block, num_warps = _one_program_launch(targets.shape[0])
+    _inverse_count_kernel[(1,)](targets, out, targets.shape[0], ignore_index, BLOCK=block, num_warps=num_warps)
+    return out
+
+
+def _one_program_launch(n_rows):
+    """(BLOCK, warps) of a kernel whose one program walks n_rows rows. Up to 16384 rows per iteration: few long
+    iterations beat many short ones (measured on an H100 at 16384 rows: 21.7 us with 1024-row blocks; in version
+    4's batch-32 step, 10.1 us with 4096-row blocks and 8 warps, 4.0 us with one 16384-row block and 16 warps)."""
+    block = min(16384, triton.next_power_of_2(max(n_rows, 16)))
+    return block, 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
 SCALE_BLOCK = 4096   # elements per program of the scaling kernel
 INTERPRETER_SCALE_BLOCK = 65536   # in a CPU run of Triton's interpreter, which pays per program
 
 
-def scaled_pair(a, a_dtype, b, b_dtype, grad_output, inv_count):
-    """(a * s in a_dtype, b * s in b_dtype) with s = grad_output * inv_count, from one kernel. a and b are
-    contiguous tensors or None (then None comes back); grad_output and inv_count one-element float32 tensors on
-    their device."""
+def scaled_pair(a, a_dtype, b, b_dtype, grad_output, inv_count=None):
+    """(a * s in a_dtype, b * s in b_dtype) with s = grad_output (* inv_count if given), from one kernel. a and b
+    are contiguous tensors or None (then None comes back); grad_output and inv_count one-element float32 tensors
+    on their device. A tensor already in its dtype is scaled IN PLACE and returned (so the caller must own it),
+    and left as it is when s is exactly 1."""
     if a is None and b is None:
         return None, None
     a = a.contiguous() if a is not None else None   # the kernel indexes them as flat arrays
     b = b.contiguous() if b is not None else None
-    a_out = _new_output(a.shape, a_dtype, a.device) if a is not None else None
-    b_out = _new_output(b.shape, b_dtype, b.device) if b is not None else None
+    a_out = _scaled_output(a, a_dtype)
+    b_out = _scaled_output(b, b_dtype)
     # A missing tensor gets no programs, so its pointers are never used: the other tensor stands in.
     a_in, a_to = (a, a_out) if a is not None else (b, b)
     b_in, b_to = (b, b_out) if b is not None else (a, a)
@@ -246,8 +299,17 @@ def scaled_pair(a, a_dtype, b, b_dtype, grad_output, inv_count):
     n_programs = a_programs + triton.cdiv(b_elements, block)
     if n_programs > 0:
         _scale_pair_kernel[(n_programs,)](a_in, a_to, a_elements, a_programs, b_in, b_to, b_elements,
-                                          grad_output, inv_count, BLOCK=block, num_warps=8)
+                                          grad_output, grad_output if inv_count is None else inv_count,
+                                          HAS_INV_COUNT=inv_count is not None, A_IN_PLACE=a_out is a,
+                                          B_IN_PLACE=b_out is b, BLOCK=block, num_warps=8)
     return a_out, b_out
+
+
+def _scaled_output(x, dtype):
+    """Where the scaled x goes: x itself if it has that dtype already, else a new tensor (None for None)."""
+    if x is None or x.dtype == dtype:
+        return x
+    return _new_output(x.shape, dtype, x.device)
 
 
 def default_chunk_rows(vocab_size, dtype):
@@ -292,8 +354,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         hidden_c = hidden.to(dtype)
         weight_c = weight16 if weight16 is not None and weight16.dtype == dtype else weight.to(dtype)
         row_loss = _new_output((n_rows,), torch.float32, hidden.device)
-        # Unscaled gradients (see the module docstring): grad_hidden in the compute dtype, grad_weight summed
-        # over chunks in float32.
+        # The gradients, divided by n_valid already where the dtype allows (see the module docstring):
+        # grad_hidden in the compute dtype, grad_weight summed over chunks in float32.
+        divided = compute_grad and dtype in DIVIDED_IN_FORWARD
+        grad_scale = inverse_count(targets, ignore_index) if divided else None
         grad_hidden = _new_output(hidden_c.shape, dtype, hidden.device) if want_grad_hidden else None
         grad_weight = None   # float32, summed over the chunks
 
@@ -301,10 +365,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             for start in range(0, n_rows, chunk_size):
                 rows = slice(start, min(start + chunk_size, n_rows))
                 logits = hidden_c[rows] @ weight_c.T  # [rows, V]: the only logits that ever exist
-                cross_entropy_rows_(logits, targets[rows], row_loss[rows], ignore_index, compute_grad)
+                cross_entropy_rows_(logits, targets[rows], row_loss[rows], ignore_index, compute_grad,
+                                    grad_scale=grad_scale)
                 if not compute_grad:
                     continue
-                dlogits = logits  # the kernel has overwritten the logits with softmax - onehot
+                dlogits = logits  # the kernel has overwritten the logits with (softmax - onehot) [/ n_valid]
                 if want_grad_hidden:
                     torch.matmul(dlogits, weight_c, out=grad_hidden[rows])
                 if want_grad_weight:
@@ -313,17 +378,26 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # Mean over the rows that count; stays on the device (no .item(), so no host synchronisation).
         loss, inv_n_valid = mean_loss(row_loss, targets, ignore_index)
         if compute_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight, inv_n_valid)
+            # Kept on ctx, not saved, and let go by the first backward, which scales them in place and hands them
+            # over: a second backward through a retained graph would find them scaled already (it is refused), and
+            # autograd takes a handed-over gradient as the weight's .grad without a copy only when nothing else
+            # holds it.
+            ctx.gradients = (grad_hidden, grad_weight)
+            ctx.inv_count = None if divided else inv_n_valid
             ctx.dtypes = (hidden.dtype, weight.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_hidden, grad_weight, inv_n_valid = ctx.saved_tensors
+        if ctx.gradients is None:
+            raise RuntimeError("linear_cross_entropy: backward through the same loss a second time; its gradients "
+                               "were computed once, in the forward pass, and handed over the first time")
+        (grad_hidden, grad_weight), ctx.gradients = ctx.gradients, None
         hidden_dtype, weight_dtype = ctx.dtypes
-        # One kernel scales both by grad_output (e.g. a loss scale) and the mean's 1/n_valid, in float32.
+        # One kernel scales both by grad_output (e.g. a loss scale), and by 1/n_valid where the forward pass has
+        # not divided them yet, in float32.
         grad_hidden, grad_weight = scaled_pair(grad_hidden, hidden_dtype, grad_weight, weight_dtype,
-                                               grad_output.to(torch.float32), inv_n_valid)
+                                               grad_output.to(torch.float32), ctx.inv_count)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 

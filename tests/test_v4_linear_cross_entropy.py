@@ -41,9 +41,10 @@ def reference_head(hidden, weight, targets, ignore_index=-100):
     return loss, hidden64.grad, weight64.grad
 
 
-def check_head(n, d, v, dtype, device, seed, chunk_size=None, ignore_index=-100):
+def check_head(n, d, v, dtype, device, seed, chunk_size=None, ignore_index=-100, backward_once=False):
     hidden, weight, targets = make_head_inputs(n, d, v, dtype, device, seed, ignore_index=ignore_index)
-    loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, ignore_index=ignore_index)
+    loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, ignore_index=ignore_index,
+                                    backward_once=backward_once)
     assert loss.dtype == torch.float32 and loss.dim() == 0
     loss.backward()
     ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets, ignore_index)
@@ -60,8 +61,9 @@ def check_head(n, d, v, dtype, device, seed, chunk_size=None, ignore_index=-100)
     (37, 48, 1003, 8),      # odd V; 5 chunks, the last one of 5 rows
     (20, 200, 257, 7),      # non-power-of-two D and V
 ])
-def test_linear_cross_entropy_matches_float64(n, d, v, chunk_size, dtype, device, poisoned_outputs):
-    check_head(n, d, v, dtype, device, seed=n + d + v, chunk_size=chunk_size)
+@pytest.mark.parametrize("backward_once", [True, False], ids=["backward once (in place)", "scaled copies"])
+def test_linear_cross_entropy_matches_float64(n, d, v, chunk_size, dtype, backward_once, device, poisoned_outputs):
+    check_head(n, d, v, dtype, device, seed=n + d + v, chunk_size=chunk_size, backward_once=backward_once)
     assert poisoned_outputs, "the wrapper did not allocate through the poisoning hook"
 
 
@@ -160,9 +162,10 @@ def test_linear_cross_entropy_custom_ignore_index_and_batched_shape(device):
     assert_matches(weight.grad, ref_grad_weight, torch.float32, "grad weight")
 
 
-def test_linear_cross_entropy_scales_by_grad_output(device):
+@pytest.mark.parametrize("backward_once", [True, False])
+def test_linear_cross_entropy_scales_by_grad_output(backward_once, device):
     hidden, weight, targets = make_head_inputs(15, 32, 200, torch.float32, device, seed=91)
-    (3.5 * lce.linear_cross_entropy(hidden, weight, targets, chunk_size=4)).backward()
+    (3.5 * lce.linear_cross_entropy(hidden, weight, targets, chunk_size=4, backward_once=backward_once)).backward()
     _, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
     assert_matches(hidden.grad, 3.5 * ref_grad_hidden, torch.float32, "grad hidden")
     assert_matches(weight.grad, 3.5 * ref_grad_weight, torch.float32, "grad weight")
@@ -176,23 +179,33 @@ def test_scaled_pair_scales_in_place_and_leaves_a_scale_of_one_alone(scale, devi
     other = random((3, 33), torch.float16, device, seed=142)
     same_before, other_before = same.clone(), other.clone()
     grad_output = torch.tensor([scale], device=device)
-    got_same, got_other = lce.scaled_pair(same, torch.float32, other, torch.float32, grad_output)
+    copied, _ = lce.scaled_pair(same, torch.float32, None, torch.float32, grad_output)   # not in place
+    assert copied is not same and torch.equal(copied, same_before * scale) and torch.equal(same, same_before)
+    got_same, got_other = lce.scaled_pair(same, torch.float32, other, torch.float32, grad_output, in_place=True)
     assert got_same is same and got_other is not other and got_other.dtype == torch.float32
     assert torch.equal(same, same_before * scale)
     assert torch.equal(got_other, other_before.float() * scale)
     got_none, got_one = lce.scaled_pair(None, torch.float32, other, torch.float32, grad_output, torch.tensor(
-        [0.25], device=device))
+        [0.25], device=device), in_place=True)
     assert got_none is None and torch.equal(got_one, other_before.float() * (scale * 0.25))
 
 
-def test_linear_cross_entropy_refuses_a_second_backward(device):
-    """Its gradients are handed over (and scaled in place) by the first backward: a second one through the same
-    loss says so instead of returning them scaled twice."""
+@pytest.mark.parametrize("backward_once", [True, False])
+def test_a_retained_graph_is_differentiated_again_unless_backward_once(backward_once, device):
+    """backward_once (the model's training path) hands the gradients over, scaled in place, in the first backward:
+    a second one through the same loss says so instead of returning them scaled twice. Without it (the default,
+    what the kernel benchmark times) every backward returns fresh, equal gradients."""
     hidden, weight, targets = make_head_inputs(12, 16, 40, torch.float32, device, seed=151)
-    loss = lce.linear_cross_entropy(hidden, weight, targets)
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="second time"):
-        loss.backward()
+    loss = lce.linear_cross_entropy(hidden, weight, targets, backward_once=backward_once)
+    first = torch.autograd.grad(2.0 * loss, (hidden, weight), retain_graph=True)
+    if backward_once:
+        with pytest.raises(RuntimeError, match="second time"):
+            torch.autograd.grad(loss, (hidden, weight))
+        return
+    second = torch.autograd.grad(2.0 * loss, (hidden, weight))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    _, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
+    assert_matches(second[1], 2.0 * ref_grad_weight, torch.float32, "grad weight")
 
 
 @pytest.mark.parametrize("needs_grad", ["weight", "hidden"])

@@ -368,9 +368,10 @@ class TinyLlama(nn.Module):
             with profile_range("output_head"):
                 return self.lm_head(normed), None
         with profile_range("loss"):
-            # Output head and loss in one chunked op: the [B*S, V] float32 logits are never built.
+            # Output head and loss in one chunked op: the [B*S, V] float32 logits are never built. A training
+            # step differentiates the loss once: its gradients, computed here, are then scaled in place.
             return None, linear_cross_entropy(normed, self.lm_head.weight, targets,
-                                              weight16=self.lm_head.weight16)
+                                              weight16=self.lm_head.weight16, backward_once=True)
 
     def layer_projection_parameters(self, k: int) -> list:
         """The projection weights of layer k, and with the last layer the output head's (whose gradient the loss

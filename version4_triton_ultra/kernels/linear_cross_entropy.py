@@ -21,12 +21,14 @@ grad_output (a scalar). Without any input that requires grad, only the loss is c
 
 The mean's 1/n_valid: in bfloat16 and float32 the kernel writes (softmax - onehot) / n_valid, n_valid counted
 from the targets before the first chunk, so both gradients leave the forward pass already divided. Backward then
-multiplies them by grad_output in place, and when grad_output is exactly 1 (loss.backward() on the mean loss, as
-a training step does) its kernel reads that 1 and touches nothing: at the medium preset that saves reading and
-writing the [32000, 1024] float32 weight gradient, ~70 us a step on an H200. In float16 the divided values
-(about 1 / (V * n_valid), e.g. 1e-9) would fall below float16's smallest normal number (6e-5) and flush to zero,
-so float16 logits get softmax - onehot (probabilities, which float16 holds well) and backward applies 1/n_valid
-in float32 with grad_output.
+multiplies them by grad_output. With backward_once (a training step, which differentiates each loss once: version
+4's model) it does so in place and hands them over, and when grad_output is exactly 1 (loss.backward() on the
+mean loss) its kernel reads that 1 and touches nothing: at the medium preset that saves reading and writing the
+[32000, 1024] float32 weight gradient, ~70 us a step on an H200. (Otherwise it writes scaled copies, so that a
+graph kept with retain_graph=True can be differentiated again, as the kernel benchmark does.) In float16 the
+divided values (about 1 / (V * n_valid), e.g. 1e-9) would fall below float16's smallest normal number (6e-5) and
+flush to zero, so float16 logits get softmax - onehot (probabilities, which float16 holds well) and backward
+applies 1/n_valid in float32 with grad_output.
 
 The kernel: one program per row streams over V in blocks of BLOCK_V (V may be 32000, not a power of two).
 First pass: an "online" max and sum of exponentials, rescaling the running sum whenever the max grows, so the
@@ -278,17 +280,17 @@ SCALE_BLOCK = 4096   # elements per program of the scaling kernel
 INTERPRETER_SCALE_BLOCK = 65536   # in a CPU run of Triton's interpreter, which pays per program
 
 
-def scaled_pair(a, a_dtype, b, b_dtype, grad_output, inv_count=None):
+def scaled_pair(a, a_dtype, b, b_dtype, grad_output, inv_count=None, in_place=False):
     """(a * s in a_dtype, b * s in b_dtype) with s = grad_output (* inv_count if given), from one kernel. a and b
     are contiguous tensors or None (then None comes back); grad_output and inv_count one-element float32 tensors
-    on their device. A tensor already in its dtype is scaled IN PLACE and returned (so the caller must own it),
-    and left as it is when s is exactly 1."""
+    on their device. With in_place, a tensor already in its dtype is scaled in place and returned (so the caller
+    must own it), and left as it is when s is exactly 1; otherwise every result is a new tensor."""
     if a is None and b is None:
         return None, None
     a = a.contiguous() if a is not None else None   # the kernel indexes them as flat arrays
     b = b.contiguous() if b is not None else None
-    a_out = _scaled_output(a, a_dtype)
-    b_out = _scaled_output(b, b_dtype)
+    a_out = _scaled_output(a, a_dtype, in_place)
+    b_out = _scaled_output(b, b_dtype, in_place)
     # A missing tensor gets no programs, so its pointers are never used: the other tensor stands in.
     a_in, a_to = (a, a_out) if a is not None else (b, b)
     b_in, b_to = (b, b_out) if b is not None else (a, a)
@@ -305,9 +307,10 @@ def scaled_pair(a, a_dtype, b, b_dtype, grad_output, inv_count=None):
     return a_out, b_out
 
 
-def _scaled_output(x, dtype):
-    """Where the scaled x goes: x itself if it has that dtype already, else a new tensor (None for None)."""
-    if x is None or x.dtype == dtype:
+def _scaled_output(x, dtype, in_place):
+    """Where the scaled x goes: x itself (in_place, and x has that dtype already), else a new tensor (None for
+    None)."""
+    if x is None or (in_place and x.dtype == dtype):
         return x
     return _new_output(x.shape, dtype, x.device)
 
@@ -331,9 +334,11 @@ def _compute_dtype(hidden):
 # autograd
 # ----------------------------------------------------------------------------------------------------------
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """(hidden [N, D], weight [V, D], targets [N], chunk_size, ignore_index, grad_enabled, weight16) -> mean loss.
+    """(hidden [N, D], weight [V, D], targets [N], chunk_size, ignore_index, grad_enabled, weight16, backward_once)
+    -> mean loss.
 
     weight16: None, or a 16-bit copy of weight already made by the caller (used when it has the compute dtype).
+    backward_once: backward scales the gradients in place and hands them over (see the module docstring).
 
     grad_enabled: torch.is_grad_enabled() of the caller. Inside forward, grad mode is always off and
     ctx.needs_input_grad only reflects requires_grad, so under torch.no_grad() it would still ask for
@@ -341,7 +346,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index, grad_enabled, weight16):
+    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index, grad_enabled, weight16, backward_once):
         n_rows = hidden.shape[0]
         dtype = _compute_dtype(hidden)
         want_grad_hidden = grad_enabled and ctx.needs_input_grad[0]
@@ -378,27 +383,34 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # Mean over the rows that count; stays on the device (no .item(), so no host synchronisation).
         loss, inv_n_valid = mean_loss(row_loss, targets, ignore_index)
         if compute_grad:
-            # Kept on ctx, not saved, and let go by the first backward, which scales them in place and hands them
-            # over: a second backward through a retained graph would find them scaled already (it is refused), and
-            # autograd takes a handed-over gradient as the weight's .grad without a copy only when nothing else
-            # holds it.
-            ctx.gradients = (grad_hidden, grad_weight)
+            ctx.backward_once = backward_once
+            if backward_once:
+                # Kept on ctx, not saved, and let go by the backward, which scales them in place and hands them
+                # over: autograd takes a handed-over gradient as the weight's .grad without a copy only when
+                # nothing else holds it.
+                ctx.gradients = (grad_hidden, grad_weight)
+            else:
+                ctx.save_for_backward(grad_hidden, grad_weight)
             ctx.inv_count = None if divided else inv_n_valid
             ctx.dtypes = (hidden.dtype, weight.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad_output):
-        if ctx.gradients is None:
-            raise RuntimeError("linear_cross_entropy: backward through the same loss a second time; its gradients "
-                               "were computed once, in the forward pass, and handed over the first time")
-        (grad_hidden, grad_weight), ctx.gradients = ctx.gradients, None
+        if not ctx.backward_once:
+            grad_hidden, grad_weight = ctx.saved_tensors
+        elif ctx.gradients is None:   # they were scaled in place and handed over by the first backward
+            raise RuntimeError("linear_cross_entropy(backward_once=True): backward through the same loss a second "
+                               "time; pass backward_once=False to differentiate a retained graph again")
+        else:
+            (grad_hidden, grad_weight), ctx.gradients = ctx.gradients, None
         hidden_dtype, weight_dtype = ctx.dtypes
         # One kernel scales both by grad_output (e.g. a loss scale), and by 1/n_valid where the forward pass has
         # not divided them yet, in float32.
         grad_hidden, grad_weight = scaled_pair(grad_hidden, hidden_dtype, grad_weight, weight_dtype,
-                                               grad_output.to(torch.float32), ctx.inv_count)
-        return grad_hidden, grad_weight, None, None, None, None, None
+                                               grad_output.to(torch.float32), ctx.inv_count,
+                                               in_place=ctx.backward_once)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 _FLOAT32_OUTPUT_MATMUL = {"supported": True}
@@ -456,13 +468,17 @@ def accumulate_matmul(grad_weight, a, b):
 # ----------------------------------------------------------------------------------------------------------
 # Public function
 # ----------------------------------------------------------------------------------------------------------
-def linear_cross_entropy(hidden, weight, targets, chunk_size=None, ignore_index=-100, weight16=None):
+def linear_cross_entropy(hidden, weight, targets, chunk_size=None, ignore_index=-100, weight16=None,
+                         backward_once=False):
     """Mean cross-entropy of `hidden @ weight.T` against `targets`, never holding all the logits.
 
     hidden: [..., D] float32, or 16-bit (or float32 under autocast, then cast as nn.Linear would be).
     weight: [V, D] (the output head's weight). targets: [...] int64, matching hidden's leading dims; entries
     equal to ignore_index do not count. chunk_size: rows per chunk (default: ~DEFAULT_CHUNK_BYTES of logits).
     weight16: optional copy of weight in autocast's dtype that the caller already made (saves the cast).
+    backward_once: the caller differentiates the loss once (a training step); backward then scales the gradients
+    in place, touching nothing when grad_output is exactly 1, and refuses a second backward through a graph kept
+    with retain_graph=True (see the module docstring).
     Returns a float32 scalar equal to F.cross_entropy((hidden @ weight.T).float(), targets).
     """
     n_features = hidden.shape[-1]
@@ -476,4 +492,4 @@ def linear_cross_entropy(hidden, weight, targets, chunk_size=None, ignore_index=
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return LinearCrossEntropyFunction.apply(hidden_rows, weight, targets_rows.contiguous(), chunk_size,
-                                            ignore_index, torch.is_grad_enabled(), weight16)
+                                            ignore_index, torch.is_grad_enabled(), weight16, backward_once)

@@ -3,7 +3,7 @@ during the forward pass.
 
 Against float64 PyTorch references, forward and every gradient, with every output buffer NaN-filled first
 (v4_kernel_checks.poisoned_outputs). On CPU the kernels run in Triton's interpreter: shapes are small; the
-full-size and bfloat16 cases are gpu-marked.
+full-size cases are gpu-marked.
 """
 import math
 
@@ -41,17 +41,22 @@ def reference_head(hidden, weight, targets, ignore_index=-100):
     return loss, hidden64.grad, weight64.grad
 
 
+def assert_matches_float64(loss, hidden, weight, targets, dtype, ignore_index=-100):
+    """The loss and the gradients that reached hidden and weight, against reference_head, at dtype's tolerance."""
+    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets, ignore_index)
+    assert_matches(loss, ref_loss, dtype, "loss")
+    assert_matches(hidden.grad, ref_grad_hidden, dtype, "grad hidden")
+    assert_matches(weight.grad, ref_grad_weight, dtype, "grad weight")
+
+
 def check_head(n, d, v, dtype, device, seed, chunk_size=None, ignore_index=-100, backward_once=False):
     hidden, weight, targets = make_head_inputs(n, d, v, dtype, device, seed, ignore_index=ignore_index)
     loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size, ignore_index=ignore_index,
                                     backward_once=backward_once)
     assert loss.dtype == torch.float32 and loss.dim() == 0
     loss.backward()
-    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets, ignore_index)
-    assert_matches(loss, ref_loss, dtype, "loss")
     assert hidden.grad.dtype == dtype and weight.grad.dtype == torch.float32
-    assert_matches(hidden.grad, ref_grad_hidden, dtype, "grad hidden")
-    assert_matches(weight.grad, ref_grad_weight, dtype, "grad weight")
+    assert_matches_float64(loss, hidden, weight, targets, dtype, ignore_index)
     return loss, hidden.grad, weight.grad
 
 
@@ -173,8 +178,9 @@ def test_linear_cross_entropy_scales_by_grad_output(backward_once, device):
 
 @pytest.mark.parametrize("scale", [1.0, 0.5])
 def test_scaled_pair_scales_in_place_and_leaves_a_scale_of_one_alone(scale, device):
-    """A gradient already in its dtype is scaled in place (no copy; at a scale of exactly 1 not even read or
-    written), one in another dtype into a new tensor."""
+    """Without in_place every result is a new tensor; with it, a gradient already in its dtype is scaled in place
+    (no copy; that a scale of exactly 1 is not even read or written shows in the GPU profiles, not in the
+    values), one in another dtype into a new tensor."""
     same = random((5, 70), torch.float32, device, seed=141)
     other = random((3, 33), torch.float16, device, seed=142)
     same_before, other_before = same.clone(), other.clone()
@@ -252,10 +258,21 @@ def test_linear_cross_entropy_under_autocast_float16(device):
         loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=10)
     loss.backward()
     assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
-    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
-    assert_matches(loss, ref_loss, torch.float16, "loss")
-    assert_matches(hidden.grad, ref_grad_hidden, torch.float16, "grad hidden")
-    assert_matches(weight.grad, ref_grad_weight, torch.float16, "grad weight")
+    assert_matches_float64(loss, hidden, weight, targets, torch.float16)
+
+
+@pytest.mark.parametrize("backward_once", [True, False])
+def test_the_models_path_bfloat16_autocast_with_a_16bit_weight(backward_once, device):
+    """What version 4's model runs: bfloat16 hidden under bfloat16 autocast, its float32 head weight with the
+    bfloat16 copy the optimizer keeps, the gradient divided by n_valid in the loss kernel and, with backward_once,
+    scaled in place by a backward that skips a scale of exactly 1."""
+    hidden, weight, targets = make_head_inputs(24, 64, 300, torch.bfloat16, device, seed=171)
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=10,
+                                        weight16=weight.detach().bfloat16(), backward_once=backward_once)
+    loss.backward()
+    assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+    assert_matches_float64(loss, hidden, weight, targets, torch.bfloat16)
 
 
 def test_linear_cross_entropy_uses_a_given_16bit_weight(device):
@@ -265,10 +282,7 @@ def test_linear_cross_entropy_uses_a_given_16bit_weight(device):
         loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=10, weight16=weight.detach().half())
     loss.backward()
     assert weight.grad.dtype == torch.float32
-    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
-    assert_matches(loss, ref_loss, torch.float16, "loss")
-    assert_matches(hidden.grad, ref_grad_hidden, torch.float16, "grad hidden")
-    assert_matches(weight.grad, ref_grad_weight, torch.float16, "grad weight")
+    assert_matches_float64(loss, hidden, weight, targets, torch.float16)
 
 
 def test_matmul_to_float32_of_16bit_operands(device):
@@ -311,8 +325,26 @@ def test_mean_loss_counts_only_targets_not_ignored(n_rows, device):
     valid = targets != -100
     torch.testing.assert_close(loss, row_loss.sum() / valid.sum())   # ignored rows carry loss 0 already
     torch.testing.assert_close(inv_count, 1.0 / valid.sum().float())
-    all_ignored, _ = lce.mean_loss(row_loss * 0, torch.full_like(targets, -100))
-    assert torch.isnan(all_ignored)
+    all_ignored, inv_none = lce.mean_loss(row_loss * 0, torch.full_like(targets, -100))
+    assert torch.isnan(all_ignored) and inv_none == 0   # 0, not 1/0: what the gradient is multiplied by
+    torch.testing.assert_close(lce.inverse_count(targets), 1.0 / valid.sum().float().reshape(1))
+    assert lce.inverse_count(torch.full_like(targets, -100)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("backward_once", [True, False])
+# The interpreter computes the mean's 0 / 0 with NumPy, which warns: that nan is the point.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+def test_every_target_ignored_gives_a_nan_loss_and_zero_gradients(dtype, backward_once, device):
+    """As F.cross_entropy: the mean over no rows is nan, and no row pushes any gradient. (Whichever pass divides
+    by n_valid, forward or backward, must not turn the zeros into zero times infinity.)"""
+    hidden, weight, targets = make_head_inputs(9, 16, 40, dtype, device, seed=161)
+    targets = torch.full_like(targets, -100)
+    loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=4, backward_once=backward_once)
+    loss.backward()
+    ref_loss = F.cross_entropy(hidden.detach().double() @ weight.detach().double().T, targets)
+    assert torch.isnan(loss) and torch.isnan(ref_loss)
+    assert not hidden.grad.any() and not weight.grad.any()
 
 
 def test_default_chunk_rows():
@@ -350,7 +382,4 @@ def test_linear_cross_entropy_under_autocast_bfloat16_gpu(device):
     with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
         loss = lce.linear_cross_entropy(hidden, weight, targets)
     loss.backward()
-    ref_loss, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
-    assert_matches(loss, ref_loss, torch.bfloat16, "loss")
-    assert_matches(hidden.grad, ref_grad_hidden, torch.bfloat16, "grad hidden")
-    assert_matches(weight.grad, ref_grad_weight, torch.bfloat16, "grad weight")
+    assert_matches_float64(loss, hidden, weight, targets, torch.bfloat16)

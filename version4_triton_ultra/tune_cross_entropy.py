@@ -108,7 +108,8 @@ def check(logits, targets, want, launch) -> str:
     lce.cross_entropy_rows_(got_grad, targets, got_loss, launch=launch, grad_scale=grad_scale)
     want_loss, want_grad = want
     loss_ok = torch.allclose(got_loss.double(), want_loss, rtol=LOSS_TOLERANCE, atol=LOSS_TOLERANCE)
-    # Compared undivided: the rounding of a divided value is relative to it, as the tolerance is to 1.
+    # Multiplied back by the rows before the comparison: the tolerance is for values up to 1, and rounding a
+    # divided value errs by as much relative to it, which the multiplication restores to that scale.
     got_undivided = got_grad.double() / (grad_scale.item() if grad_scale is not None else 1.0)
     grad_ok = (got_undivided - want_grad).abs().max().item() <= GRADIENT_TOLERANCE[logits.dtype]
     return "ok" if loss_ok and grad_ok else "WRONG"

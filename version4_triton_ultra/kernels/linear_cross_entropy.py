@@ -13,11 +13,12 @@ more than one chunk of logits:
     for each chunk of rows:
         logits = hidden[chunk] @ weight.T            torch matmul (vendor BLAS), in hidden's dtype
         kernel: per-row loss in float32, and the logits overwritten in place by  softmax - onehot(target)
+                (divided by n_valid, below)
         grad_hidden[chunk]  = dlogits @ weight       torch matmul
         grad_weight        += dlogits.T @ hidden[chunk]
 
-Since the gradient is computed in forward, backward only multiplies the two saved gradients by the incoming
-grad_output (a scalar). Without any input that requires grad, only the loss is computed.
+Since the gradients are computed in forward, backward only scales them: one kernel. Without any input that
+requires grad, only the loss is computed.
 
 The mean's 1/n_valid: in bfloat16 and float32 the kernel writes (softmax - onehot) / n_valid, n_valid counted
 from the targets before the first chunk, so both gradients leave the forward pass already divided. Backward then
@@ -63,8 +64,9 @@ MAX_WARPS = 8
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 # Chunk lengths are multiples of this (matmul tiles are usually 64 or 128 rows).
 CHUNK_ROW_MULTIPLE = 64
-# The logits' dtypes whose gradient the loss kernel divides by n_valid itself (float32's exponent range): see
-# the module docstring. float16's gradient is divided in the backward pass instead.
+# The logits' dtypes whose gradient the loss kernel divides by n_valid itself: those with float32's exponent range,
+# where values of about 1 / (V * n_valid) do not underflow (the module docstring). float16's gradient is divided in
+# the backward pass instead.
 DIVIDED_IN_FORWARD = (torch.float32, torch.bfloat16)
 
 
@@ -73,7 +75,7 @@ DIVIDED_IN_FORWARD = (torch.float32, torch.bfloat16)
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _cross_entropy_rows_kernel(
-    logits_ptr,                 # [rows, V] in, contiguous; with COMPUTE_GRAD, overwritten by softmax - onehot
+    logits_ptr,                 # [rows, V] in, contiguous; with COMPUTE_GRAD, overwritten by the gradient
     targets_ptr,                # [rows] int64
     row_loss_ptr,               # [rows] float32 out: logsumexp - logit[target], 0 for ignored rows
     grad_scale_ptr,             # [1] float32, what the gradient is multiplied by (with SCALE_GRAD)
@@ -152,13 +154,20 @@ def _mean_loss_kernel(
     n_valid = _count_valid(targets_ptr, n_rows, ignore_index, BLOCK)
     # With every target ignored this is 0/0 = nan, as in F.cross_entropy.
     tl.store(loss_ptr, tl.sum(total, axis=0) / n_valid)
-    tl.store(inv_count_ptr, 1.0 / n_valid)
+    tl.store(inv_count_ptr, _inverse(n_valid))
 
 
 @triton.jit
 def _inverse_count_kernel(targets_ptr, inv_count_ptr, n_rows, ignore_index, BLOCK: tl.constexpr):
     """One program: 1 / (number of targets not ignored), before the chunks, for the loss kernel to divide by."""
-    tl.store(inv_count_ptr, 1.0 / _count_valid(targets_ptr, n_rows, ignore_index, BLOCK))
+    tl.store(inv_count_ptr, _inverse(_count_valid(targets_ptr, n_rows, ignore_index, BLOCK)))
+
+
+@triton.jit
+def _inverse(n_valid):
+    """1 / n_valid, and 0 when every target is ignored: the gradient is then all zeros, as F.cross_entropy's,
+    where 1 / 0 would make zero times infinity (nan) of it."""
+    return tl.where(n_valid > 0, 1.0 / tl.maximum(n_valid, 1.0), 0.0)
 
 
 @triton.jit
@@ -180,7 +189,7 @@ def _scale_pair_kernel(a_ptr, a_out_ptr, a_elements, a_programs, b_ptr, b_out_pt
     """a_out = a * s and b_out = b * s, s = grad_output (* inv_count with HAS_INV_COUNT; float32 scalars in
     device memory), computed in float32 and rounded once to the outputs' dtypes. The first a_programs programs
     scale a, the others b: the backward pass of the loss is this one kernel. An output that is its input
-    (X_IN_PLACE) is left untouched when s is exactly 1: nothing to read or write.
+    (A_IN_PLACE, B_IN_PLACE) is left untouched when s is exactly 1: nothing to read or write.
 
     PyTorch would take three kernels (the scalar product and two multiplications), and computes a 16-bit tensor
     times a float32 scalar tensor with its general (not vectorised) kernel: 16.9 us for the [16384, 256]
@@ -386,8 +395,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.backward_once = backward_once
             if backward_once:
                 # Kept on ctx, not saved, and let go by the backward, which scales them in place and hands them
-                # over: autograd takes a handed-over gradient as the weight's .grad without a copy only when
-                # nothing else holds it.
+                # over: once handed over they are the caller's (the weight's .grad), so a second backward through
+                # a retained graph must not scale them again, and is refused.
                 ctx.gradients = (grad_hidden, grad_weight)
             else:
                 ctx.save_for_backward(grad_hidden, grad_weight)

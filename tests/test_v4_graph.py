@@ -279,15 +279,17 @@ def test_cpu_run_header_has_no_tf32_claim(tmp_path, capsys):
     assert not out.startswith("No GPU found")   # nothing before the header: bad input stays one line
 
 
+def made_up_replay(t):
+    """A replay starting at t us: a norm, beside it a weight GEMM of another stream, a memset, a GEMM."""
+    return [("norm", t, t + 10), ("wgrad", t + 5, t + 12), ("memset", t + 14, t + 15), ("gemm", t + 19, t + 40)]
+
+
 def test_idle_gaps_are_time_with_no_kernel_of_any_stream_by_the_kernels_around_them():
     """Three replays of a made-up step: a norm, beside it a weight GEMM of another stream, a memset, a GEMM. A gap
     is time that no stream's kernel covers, named by the kernel that ended last before it and the one that starts
     it; per step means over the three replays."""
     from version4_triton_ultra.profile_graphed_step import idle_gaps, kernel_table
-
-    def replay(t):
-        return [("norm", t, t + 10), ("wgrad", t + 5, t + 12), ("memset", t + 14, t + 15), ("gemm", t + 19, t + 40)]
-    kernels = replay(200) + replay(0) + replay(100)   # any order
+    kernels = made_up_replay(200) + made_up_replay(0) + made_up_replay(100)   # any order
     idle_us, rows = idle_gaps(kernels, replays=3)
     # Per replay: 2 us before the memset, 4 us after it; and 60 us between replays 1 and 2 and between 2 and 3.
     assert idle_us == pytest.approx((2 + 4) + 2 * 60 / 3)
@@ -297,6 +299,17 @@ def test_idle_gaps_are_time_with_no_kernel_of_any_stream_by_the_kernels_around_t
     table, total_us, span_us = kernel_table(kernels, replays=3)
     assert table[0] == ("gemm", 1.0, 21.0, 21.0) and total_us == pytest.approx(10 + 7 + 1 + 21)
     assert span_us == pytest.approx(240 / 3)
+
+
+def test_kernels_at_once_splits_the_busy_time_into_one_and_several():
+    """The made-up step above: one kernel 0-5, 10-12, 14-15 and 19-40 us (29 us a replay), the norm and the weight
+    GEMM together 5-10 (5 us); a third kernel over both adds to "two or more", not to a third column."""
+    from version4_triton_ultra.profile_graphed_step import kernels_at_once
+    kernels = made_up_replay(200) + made_up_replay(0) + made_up_replay(100)
+    assert kernels_at_once(kernels, replays=3) == (pytest.approx(29.0), pytest.approx(5.0))
+    assert kernels_at_once(kernels + [("adamw", 6, 8)], replays=1) == (pytest.approx(87.0), pytest.approx(15.0))
+    back_to_back = [("a", 0, 10), ("b", 10, 20)]   # one ends as the next starts: never two at once
+    assert kernels_at_once(back_to_back, replays=1) == (20.0, 0.0)
 
 
 def test_profile_graphed_step_prints_its_tables_and_the_idle_gaps(monkeypatch, capsys):
@@ -319,5 +332,6 @@ def test_profile_graphed_step_prints_its_tables_and_the_idle_gaps(monkeypatch, c
     # 4 + 4 us in every replay and 10 us between replays, 9 times: 17 us a step
     assert "GPU idle (no kernel of any stream running): 17.0 us a step" in out
     assert "    9.0    0.9  nvjet_sm90_gemm -> _add_rms_norm_forward_kernel" in out
+    assert "kernels running at once: one for 32.0 us a step, two or more for 0.0 us" in out
     monkeypatch.setattr(pgs, "profiled_kernels", lambda *call: [])
     assert pgs.main([]) == 1   # nothing recorded: said in one line, not a traceback

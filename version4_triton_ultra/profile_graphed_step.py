@@ -25,7 +25,10 @@ batch, and reports
      epilogues, norms, loss, optimizer, embedding, other), largest first;
   4. the time in which no kernel of any stream ran (GPU idle), and its gaps of 2 us or more grouped by the kernels
      around them, largest first: where the step waits on something other than a kernel (a memset node, a
-     dependency between streams, the launch of the next kernel).
+     dependency between streams, the launch of the next kernel);
+  5. the time in which one kernel ran, and two or more at once (the streams side by side): how much of the step
+     overlaps at all. (Where two kernels share the GPU, each runs slower than alone: overlap saves time only
+     where one of them leaves the GPU partly idle.)
 That table is where the "what is left" of version 4 is read: GEMMs, attention, norms, the optimizer, casts.
 With the weight-gradient stream (the default) kernels of the two streams overlap, and each one runs slower than
 alone: per-kernel times then add up to more than the step. `--no-weight-grad-stream` gives the cleaner split.
@@ -252,6 +255,20 @@ def idle_gaps(kernels, replays: int, min_gap_us: float = MIN_IDLE_GAP_US) -> tup
     return idle / replays, rows
 
 
+def kernels_at_once(kernels, replays: int) -> tuple[float, float]:
+    """(us per step in which exactly one kernel, memset or copy ran; us per step in which two or more did), any
+    streams: a sweep over every start and end, in time order."""
+    edges = sorted([(start, 1) for _, start, _ in kernels] + [(end, -1) for _, _, end in kernels])
+    one, several, running, last = 0.0, 0.0, 0, None
+    for time, change in edges:   # at equal times the ends (-1) come first
+        if running == 1:
+            one += time - last
+        elif running >= 2:
+            several += time - last
+        running, last = running + change, time
+    return one / replays, several / replays
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     step, inputs, targets = build_step(args)
@@ -284,6 +301,9 @@ def main(argv=None) -> int:
     print(f"{'us/step':>9} {'gaps':>6}  kernel before -> kernel after")
     for gap_us, count, before, after in gaps[:IDLE_ROWS]:
         print(f"{gap_us:9.1f} {count:6.1f}  {before[:50]} -> {after[:50]}")
+    one_us, several_us = kernels_at_once(kernels, PROFILED_REPLAYS)
+    print(f"kernels running at once: one for {one_us:.1f} us a step, two or more for {several_us:.1f} us (the "
+          f"streams side by side)")
     return 0
 
 

@@ -167,8 +167,9 @@ def test_both_backward_loops_match_float64_and_each_other(monkeypatch, device, s
 def test_add_rms_norm_weight_grad_summed_by_the_programs(group_size, one_group_up_to, d, monkeypatch, device):
     """The partial weight gradients are added by the last program (one group), or per group of programs and then
     across the groups (two levels); either way right, the same on every run (which only a GPU, where programs
-    finish in any order, can really test), and the counters left at zero. At D = 1500 a summing program reads
-    2 partial sums at a time, so its loop takes several passes, the last one partial."""
+    finish in any order, can really test), and the counters left at zero. At D = 1500 a summing program loads
+    one partial sum at a time in the interpreter (8 on a GPU, where the groups' sums are many), so its loop takes
+    several passes, the last one partial."""
     monkeypatch.setattr(arn, "GROUP_SIZE", group_size)
     monkeypatch.setattr(arn, "ONE_GROUP_UP_TO", one_group_up_to)
     # 4 programs in the interpreter (and 37 rows make the last one short); on a GPU, 40000 rows make a few
@@ -389,6 +390,20 @@ def test_backward_launch_follows_the_row_width(n_features, per_sm, tile_rows, wa
     sms = triton_support.KNOWN_GPUS["sm_90"].multiprocessors
     assert (per_sm - 1) * sms < programs <= per_sm * sms
     assert (programs - 1) * rows_per_program < n_rows <= programs * rows_per_program
+
+
+def test_a_summing_program_loads_many_partial_sums_at_once(monkeypatch):
+    """[BLOCK_P, D] blocks of SUM_ELEMENTS_PER_THREAD values a thread (a power of two of rows), never more rows
+    than the longest sum; AMD's 64-wide wavefronts hold twice as many."""
+    assert arn._partial_sums_per_load(32, 1024, 8) == 16    # the medium preset: a group of 32 in two loads
+    assert arn._partial_sums_per_load(9, 1024, 8) == 16     # the 9 groups' sums in one load
+    assert arn._partial_sums_per_load(4, 1024, 8) == 4      # no more rows than there are partial sums
+    assert arn._partial_sums_per_load(64, 256, 4) == 32     # the seed size's one group of 64
+    assert arn._partial_sums_per_load(32, 2048, 8) == 8
+    assert arn._partial_sums_per_load(32, 8192, 1) == 1     # at least one row
+    assert arn._partial_sums_per_load(100, 1536, 8) == 8    # 10 rows fit: rounded down to a power of two
+    monkeypatch.setattr(arn, "threads_per_warp", lambda: 64)
+    assert arn._partial_sums_per_load(32, 1024, 8) == 32
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -23,16 +23,17 @@ Backward. With x_hat = h * rstd and g = grad_normed * weight, the gradient of RM
 and the residual path adds `grad_new_residual` on top. Since h = residual + delta, that same grad_h is the
 gradient of both `residual` and `delta`. The weight gradient sum_rows(grad_normed * x_hat) is a reduction over
 all rows: each backward program owns a block of rows, accumulates its own partial sum in float32 and writes
-it to its own column of a [D, programs] buffer. The programs then add the partial sums up themselves, so that
+it to its own row of a [programs, D] buffer. The programs then add the partial sums up themselves, so that
 no separate reduction kernel is launched. With few programs (short batches), the program that finishes LAST
 adds them all. With many, in two levels: the programs form groups of GROUP_SIZE, the last program of each group
-to finish adds its group's partial sums into one column of a [D, groups] buffer, and the last of those
+to finish adds its group's partial sums into one row of a [groups, D] buffer, and the last of those
 group-summing programs adds the groups' sums into the weight gradient. Each program learns whether it is last
 from an atomic ticket counter (one per group, one for the groups) that it increments once after storing its
 sum. One level alone would leave one program adding hundreds of partial sums while the GPU idles (measured on
 an H100: ~12 us for 528 partial sums of 256 features). Either way the additions happen in a fixed order
 (program order, then group order), whichever program finishes when: the result is the same bit for bit on
-every run.
+every run. These sums are the kernel's tail, when most of the GPU has finished: a summing program reads many
+partial sums per load (SUM_ELEMENTS_PER_THREAD), each load one memory round trip.
 
 The model's first norm has no residual add but follows the token-embedding lookup: `embedding_rms_norm` does
 both in one kernel each way. The forward kernel reads row ids[r] of the embedding table for row r (GATHER) and
@@ -50,7 +51,8 @@ import triton
 import triton.language as tl
 
 from tinytransformer.triton_support import (interpreter_active, interpreter_block, is_gpu, is_rocm,
-                                            multiprocessor_count, num_warps_for, small_interpreter_blocks)
+                                            multiprocessor_count, num_warps_for, small_interpreter_blocks,
+                                            threads_per_warp)
 from version4_triton_ultra.kernels.embedding_backward import (embedding_backward, embedding_backward_in_order,
                                                             embedding_lookup, token_order)
 
@@ -62,6 +64,13 @@ MAX_FEATURES = 8192
 GROUP_SIZE = 32
 # Up to this many programs (short batches), one group: its last program adds all the partial sums itself.
 ONE_GROUP_UP_TO = 64
+# Partial sums a summing program loads at once, counted in float32 values per thread: [BLOCK_P, D] blocks of
+# contiguous rows (16 partial sums at 1,024 features on 8 warps). Each load is a round trip to the L2 cache that the
+# whole kernel waits for at its end, so few large loads. Before, the partial sums were stored as [D, programs]
+# columns and read 4096 values at a time (4 partial sums at 1,024 features): on an H200 at 8,192 x 1,024 (bfloat16
+# gradients) the kernel took 49.0 us, against 40.2 us with the sums left out; with these loads, 41.5 us
+# (benchmarks/results/kernel_time/h200_norm_backward_row_major_sums.json, which has the other widths and steps).
+SUM_ELEMENTS_PER_THREAD = 64
 # Wide rows. Rows of at least WIDE_FROM_FEATURES features (counted as the power-of-two block that holds a row) get
 # three launch settings in the backward kernel:
 #   - tiles of at most WIDE_TILE_ROWS rows (a power of two, as tl.arange needs) and a warp per 512 elements of a
@@ -150,8 +159,8 @@ def _add_rms_norm_backward_kernel(
                                               #   (SCATTER: [V, D] float32, zero on entry; row r adds into ids[r])
     ids_ptr,                                  # with TABLE_ROWS: [N] integers, the table row of each row (h_ptr: table)
     grad_h_copy_ptr,                          # output: [N, D], the same gradient in delta's dtype (WRITE_COPY)
-    partial_grad_weight_ptr,                  # scratch: [D, programs] float32, one partial sum per program
-    group_sum_ptr,                            # scratch: [D, groups] float32, one sum per group (TWO_LEVELS)
+    partial_grad_weight_ptr,                  # scratch: [programs, D] float32, one partial sum per program
+    group_sum_ptr,                            # scratch: [groups, D] float32, one sum per group (TWO_LEVELS)
     grad_weight_ptr,                          # output: [D] float32, written by the last group-summing program
     ticket_ptr,                               # int32 counters, one per group then one for the groups; 0 on entry
     n_rows, n_features, n_table_rows, rows_per_program, n_programs, n_groups,   # n_table_rows: V, with TABLE_ROWS
@@ -204,8 +213,7 @@ def _add_rms_norm_backward_kernel(
                 h, grad_normed, grad_res, rstd, weight, mask, offsets, h_offsets, grad_h_ptr, grad_h_copy_ptr,
                 grad_weight_acc, n_features, HAS_RESIDUAL_GRAD, WRITE_COPY, SCATTER)
 
-    # Stored transposed, [D, programs]: a summing program then reads contiguous memory per feature.
-    tl.store(partial_grad_weight_ptr + cols * n_programs + program, tl.sum(grad_weight_acc, axis=0), mask=col_mask)
+    tl.store(partial_grad_weight_ptr + program * n_features + cols, tl.sum(grad_weight_acc, axis=0), mask=col_mask)
 
     # Level 1: the last program of this group to finish adds the group's partial sums.
     group = program // PROGRAMS_PER_GROUP
@@ -213,15 +221,13 @@ def _add_rms_norm_backward_kernel(
     group_programs = tl.minimum(n_programs - first_in_group, PROGRAMS_PER_GROUP)
     if is_last_to_arrive(ticket_ptr + group, group_programs):
         if TWO_LEVELS:
-            _sum_columns(partial_grad_weight_ptr, n_programs, first_in_group, group_programs,
-                         group_sum_ptr + group, n_groups, n_features, BLOCK_D, BLOCK_P, L2_LOAD)
+            _sum_rows(partial_grad_weight_ptr, first_in_group, group_programs, group_sum_ptr + group * n_features,
+                      n_features, BLOCK_D, BLOCK_P, L2_LOAD)
             # Level 2: the last group-summing program to finish adds the groups' sums.
             if is_last_to_arrive(ticket_ptr + n_groups, n_groups):
-                _sum_columns(group_sum_ptr, n_groups, 0, n_groups, grad_weight_ptr, 1, n_features, BLOCK_D,
-                             BLOCK_P, L2_LOAD)
+                _sum_rows(group_sum_ptr, 0, n_groups, grad_weight_ptr, n_features, BLOCK_D, BLOCK_P, L2_LOAD)
         else:
-            _sum_columns(partial_grad_weight_ptr, n_programs, 0, n_programs, grad_weight_ptr, 1, n_features,
-                         BLOCK_D, BLOCK_P, L2_LOAD)
+            _sum_rows(partial_grad_weight_ptr, 0, n_programs, grad_weight_ptr, n_features, BLOCK_D, BLOCK_P, L2_LOAD)
 
 
 @triton.jit
@@ -295,20 +301,20 @@ def is_last_to_arrive(ticket_ptr, n_arrivals):
 
 
 @triton.jit
-def _sum_columns(src_ptr, src_columns, first, count, out_ptr, out_stride, n_features, BLOCK_D: tl.constexpr,
-                 BLOCK_P: tl.constexpr, L2_LOAD: tl.constexpr):
-    """out[d * out_stride] = sum of src[d, first : first + count] (src: [D, src_columns] float32), adding the
-    columns in order: one pass over them, BLOCK_P columns at a time."""
+def _sum_rows(src_ptr, first, count, out_ptr, n_features, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+              L2_LOAD: tl.constexpr):
+    """out[d] = sum of src[first : first + count, d] (src: [rows, D] float32), adding the rows in order: one pass
+    over them, a [BLOCK_P, D] block of contiguous rows per load."""
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < n_features
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
     for start in range(first, first + count, BLOCK_P):
-        columns = start + tl.arange(0, BLOCK_P)
-        mask = col_mask[:, None] & (columns < first + count)[None, :]
-        block = tl.load(src_ptr + cols[:, None] * src_columns + columns[None, :], mask=mask, other=0.0,
+        rows = start + tl.arange(0, BLOCK_P)
+        mask = (rows < first + count)[:, None] & col_mask[None, :]
+        block = tl.load(src_ptr + rows[:, None] * n_features + cols[None, :], mask=mask, other=0.0,
                         cache_modifier=L2_LOAD)   # NVIDIA: from L2, where the other programs' stores are
-        total += tl.sum(block, axis=1)
-    tl.store(out_ptr + cols * out_stride, total, mask=col_mask)
+        total += tl.sum(block, axis=0)
+    tl.store(out_ptr + cols, total, mask=col_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -429,6 +435,13 @@ def _backward_program_count(n_rows, block_rows, block_d, device):
     return triton.cdiv(n_rows, rows_per_program), rows_per_program
 
 
+def _partial_sums_per_load(largest_sum: int, block_d: int, num_warps: int) -> int:
+    """Rows of partial sums ([BLOCK_P, D] float32) a summing program loads at once: SUM_ELEMENTS_PER_THREAD values
+    a thread, and no more rows than the longest sum needs (a power of two, as tl.arange needs)."""
+    fits = max(1, SUM_ELEMENTS_PER_THREAD * num_warps * threads_per_warp() // block_d)
+    return min(triton.next_power_of_2(largest_sum), 1 << (fits.bit_length() - 1))
+
+
 def _programs_per_sm(block_d: int) -> int:
     """Backward programs per SM (compute unit) on a GPU for rows of block_d features (see above)."""
     return 2 if block_d >= WIDE_FROM_FEATURES else 4
@@ -508,8 +521,8 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
     if n_groups + 1 > MAX_TICKETS:
         raise ValueError(f"add_rms_norm backward: {n_programs} programs need {n_groups + 1} ticket counters, "
                          f"more than MAX_TICKETS={MAX_TICKETS}")
-    partial_grad_weight = _new_output((n_features, n_programs), torch.float32, h.device)
-    group_sums = _new_output((n_features, n_groups), torch.float32, h.device)
+    partial_grad_weight = _new_output((n_programs, n_features), torch.float32, h.device)
+    group_sums = _new_output((n_groups, n_features), torch.float32, h.device)
     grad_weight = _new_output((n_features,), torch.float32, h.device)
     largest_sum = max(min(programs_per_group, n_programs), n_groups)   # partial sums one program adds at most
     _add_rms_norm_backward_kernel[(n_programs,)](
@@ -519,8 +532,7 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
         HAS_RESIDUAL_GRAD=has_residual_grad, WRITE_COPY=grad_h_copy is not None, TABLE_ROWS=table_rows,
         SCATTER=scatter,
         PROGRAMS_PER_GROUP=programs_per_group, TWO_LEVELS=n_groups > 1,
-        # About 4096 float32 values per load, so that a summing program keeps its block in registers.
-        BLOCK_P=min(triton.next_power_of_2(largest_sum), max(1, 4096 // block_d)),
+        BLOCK_P=_partial_sums_per_load(largest_sum, block_d, num_warps),
         L2_LOAD="" if is_rocm() else ".cg",
         BLOCK_D=block_d, BLOCK_ROWS=block_rows, PREFETCH=_prefetches(block_d),
         num_warps=num_warps)

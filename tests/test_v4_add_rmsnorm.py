@@ -160,18 +160,20 @@ def test_both_backward_loops_match_float64_and_each_other(monkeypatch, device, s
     assert all(torch.equal(a, b) for a, b in zip(gradients[True], gradients[False]))
 
 
-@pytest.mark.parametrize("group_size, one_group_up_to, d", [(10**6, 10**6, 96), (2, 0, 96), (3, 0, 96),
-                                                          (3, 0, 1500)],
+@pytest.mark.parametrize("group_size, one_group_up_to, d, sum_elements",
+                         [(10**6, 10**6, 96, 64), (2, 0, 96, 64), (3, 0, 96, 64), (3, 0, 1500, 128)],
                          ids=["one group", "two levels, even groups", "two levels, short last group",
                               "two levels, several passes per sum"])
-def test_add_rms_norm_weight_grad_summed_by_the_programs(group_size, one_group_up_to, d, monkeypatch, device):
+def test_add_rms_norm_weight_grad_summed_by_the_programs(group_size, one_group_up_to, d, sum_elements, monkeypatch,
+                                                         device):
     """The partial weight gradients are added by the last program (one group), or per group of programs and then
     across the groups (two levels); either way right, the same on every run (which only a GPU, where programs
-    finish in any order, can really test), and the counters left at zero. At D = 1500 a summing program loads
-    one partial sum at a time in the interpreter (8 on a GPU, where the groups' sums are many), so its loop takes
-    several passes, the last one partial."""
+    finish in any order, can really test), and the counters left at zero. At D = 1500 (a 2048 block) with 128
+    values a thread a summing program loads 2 partial sums at a time in the interpreter (16 on a GPU, where the
+    groups' sums are many), so a group of 3 takes two passes, the last one partial."""
     monkeypatch.setattr(arn, "GROUP_SIZE", group_size)
     monkeypatch.setattr(arn, "ONE_GROUP_UP_TO", one_group_up_to)
+    monkeypatch.setattr(arn, "SUM_ELEMENTS_PER_THREAD", sum_elements)
     # 4 programs in the interpreter (and 37 rows make the last one short); on a GPU, 40000 rows make a few
     # hundred programs, so small groups give many of them.
     rows = 40000 if device.type == "cuda" else 37

@@ -31,9 +31,10 @@ group-summing programs adds the groups' sums into the weight gradient. Each prog
 from an atomic ticket counter (one per group, one for the groups) that it increments once after storing its
 sum. One level alone would leave one program adding hundreds of partial sums while the GPU idles (measured on
 an H100: ~12 us for 528 partial sums of 256 features). Either way the additions happen in a fixed order
-(program order, then group order), whichever program finishes when: the result is the same bit for bit on
-every run. These sums are the kernel's tail, when most of the GPU has finished: a summing program reads many
-partial sums per load (SUM_ELEMENTS_PER_THREAD), each load one memory round trip.
+(blocks of partial sums in program order, then of the groups' sums in group order), whichever program finishes
+when: the result is the same bit for bit on every run. These sums are the kernel's tail, when most of the GPU has
+finished: a summing program reads many partial sums per load (SUM_ELEMENTS_PER_THREAD), each load one memory round
+trip.
 
 The model's first norm has no residual add but follows the token-embedding lookup: `embedding_rms_norm` does
 both in one kernel each way. The forward kernel reads row ids[r] of the embedding table for row r (GATHER) and
@@ -68,8 +69,9 @@ ONE_GROUP_UP_TO = 64
 # contiguous rows (16 partial sums at 1,024 features on 8 warps). Each load is a round trip to the L2 cache that the
 # whole kernel waits for at its end, so few large loads. Before, the partial sums were stored as [D, programs]
 # columns and read 4096 values at a time (4 partial sums at 1,024 features): on an H200 at 8,192 x 1,024 (bfloat16
-# gradients) the kernel took 49.0 us, against 40.2 us with the sums left out; with these loads, 41.5 us
-# (benchmarks/results/kernel_time/h200_norm_backward_row_major_sums.json, which has the other widths and steps).
+# gradients, interleaved) the kernel took 48.9 us, and 41.5 us with these loads; a probe with the sums left out
+# took 40.2 us (benchmarks/results/kernel_time/h200_norm_backward_row_major_sums.json, with the other widths and
+# the steps).
 SUM_ELEMENTS_PER_THREAD = 64
 # Wide rows. Rows of at least WIDE_FROM_FEATURES features (counted as the power-of-two block that holds a row) get
 # three launch settings in the backward kernel:

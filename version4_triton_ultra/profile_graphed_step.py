@@ -49,6 +49,7 @@ from tinytransformer.config import ModelConfig, TrainConfig, available_presets, 
 from tinytransformer.cublas_workspace import (  # noqa: E402
     add_cublas_workspace_argument, apply_cublas_workspace_argument, describe_cublas_workspace)
 from tinytransformer.precision import set_tf32  # noqa: E402
+from tinytransformer.profiling.kernel_names import LOSS_FAMILY  # noqa: E402
 
 
 # Kernel families, by kernel name; the first pattern that matches names the family. The vendor libraries' GEMM
@@ -65,7 +66,7 @@ KERNEL_FAMILIES = (
     ("RoPE after a vendor GEMM (Triton)", r"rotate_qk"),   # --separate-rope
     ("GEMMs (vendor BLAS)", r"gemm|nvjet|cutlass|Cijk_|splitKreduce|cublas"),
     ("norms", r"rms_norm|native::reduce_kernel"),   # reduce_kernel: norm weight-gradient sums, in older versions
-    ("loss", r"cross_entropy|mean_loss|inverse_count|_scale_pair_kernel"),
+    ("loss", LOSS_FAMILY),   # the profilers' own pattern (tinytransformer/profiling/kernel_names.py)
     ("optimizer and weight copies", r"multi_tensor_apply|adamw"),
     ("embedding", r"embedding|gather|indexFunc"),   # since the first norm does the lookup: none in version 4
 )

@@ -38,6 +38,9 @@ LOSS = r"cross_entropy|log_softmax|logsoftmax|nll_loss|mean_loss|inverse_count"
 RMSNORM = r"rms_norm|rmsnorm"
 ROPE = r"rope|rotate"
 SWIGLU = r"swiglu|silu"
+# The loss's kernels of both passes: LOSS and version 4's _scale_pair_kernel, the loss's backward (a family, but a
+# backward kernel, so not a forward model part).
+LOSS_FAMILY = LOSS + r"|_scale_pair"
 
 # (family, pattern), matched in order against the lower-cased kernel name; the first match wins. The order
 # matters: names are whole demangled signatures, so PyTorch's flash attention kernels mention cutlass (attention
@@ -45,7 +48,7 @@ SWIGLU = r"swiglu|silu"
 # names list the ops they fused: "_to_copy" (an autocast cast) is left out before matching, since nearly every
 # fused kernel has one, and "triton_tem_" is a GEMM template.
 FAMILIES = (
-    ("cross_entropy", LOSS + r"|_scale_pair"),
+    ("cross_entropy", LOSS_FAMILY),
     ("attention", r"flash|attention|fmha|sdpa|attn_fwd|bwd_kernel_d|softmax"),
     ("gemm", r"gemm|gemv|xmma|nvjet|cutlass|cijk_|matmul|splitk|dot_kernel|triton_tem_"),
     ("rmsnorm", RMSNORM + r"|rsqrt"),

@@ -5,11 +5,12 @@
     python benchmarks/step_floor.py --preset medium --gpu-name H100          (data-sheet peaks, no GPU needed)
 
 The ceilings, measured on the GPU at the step's own shapes (bfloat16, random data, each timed as a CUDA/HIP graph
-of back-to-back calls, the median of interleaved rounds, after a few seconds of large GEMMs that bring the GPU to
-the clocks a training run sustains):
+of back-to-back calls, after a few seconds of large GEMMs that bring the GPU to the clocks a training run
+sustains; the GEMMs the median of interleaved rounds, the others the median of a graph's replays):
 - every GEMM of the step through the vendor BLAS (torch.mm: cuBLAS, hipBLASLt), at its M, N and K;
 - causal attention, forward + backward, through the fastest of PyTorch's scaled_dot_product_attention backends
-  and version 4's Triton kernels at the preset's batch, heads, sequence and head dim;
+  and version 4's Triton kernels at the preset's batch, heads, sequence and head dim (a backend that does not
+  rotate dq and dk back by RoPE, as version 4's kernels do, pays RoPE's backward as a pass of its own);
 - the streaming bandwidth (bytes read + written) for every memory-bound pass: the faster of a device-to-device
   copy and an element-wise kernel over 1 GiB.
 The floor is the sum of each family's work at its ceiling: the step's time if its kernels ran one after another,
@@ -21,13 +22,14 @@ measured. --step-ms and --target-ms say where a measured step and a goal stand a
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, also when run as a file
 
-from benchmarks.step_work import attention_flops, memory_passes, step_gemms  # noqa: E402
+from benchmarks.step_work import attention_flops, memory_passes, rope_backward_bytes, step_gemms  # noqa: E402
 from tinytransformer.cli import OneLineParser, command_line, run_command  # noqa: E402
 from tinytransformer.config import ConfigError, ModelConfig, preset_settings  # noqa: E402
 from tinytransformer.device import peak_bandwidth_tbs, peak_tflops, software_and_gpu  # noqa: E402
@@ -35,6 +37,8 @@ from tinytransformer.outputs import write_json  # noqa: E402
 from tinytransformer.paths import prove_output_file  # noqa: E402
 
 PRESETS = ("tiny", "small", "medium", "large")
+OURS = "version 4 (Triton)"   # the attention candidate whose backward rotates dq and dk back itself
+DATA_SHEET = "data-sheet peak"   # the ceiling of every GEMM and of attention with --gpu-name
 ROUNDS = 5            # interleaved rounds of the GPU measurements
 COPY_BYTES = 2 ** 30  # the copy that measures bandwidth: well past any L2 cache
 WARM_SECONDS = 5.0    # of large GEMMs before the measurements (settle_clocks)
@@ -116,7 +120,7 @@ def attention_candidates(config: ModelConfig, batch: int, seq: int) -> dict:
     from version4_triton_ultra.kernels.flash_attention import flash_attention_packed
     qkv = torch.randn(batch, seq, 3 * config.hidden_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     packed_grad = torch.randn(batch, seq, config.hidden_dim, device="cuda", dtype=torch.bfloat16)
-    candidates["version 4 (Triton)"] = lambda: torch.autograd.grad(
+    candidates[OURS] = lambda: torch.autograd.grad(
         flash_attention_packed(qkv, config.num_heads), (qkv,), packed_grad)
     return candidates
 
@@ -127,8 +131,11 @@ def measure_attention_us(config: ModelConfig, batch: int, seq: int) -> dict[str,
     for name, run in attention_candidates(config, batch, seq).items():
         try:
             times[name] = 1000 * graph_call_ms(run, calls=5)
-        except RuntimeError:   # a backend this GPU, dtype or shape does not support
+        except Exception:   # noqa: BLE001 - a backend this GPU, dtype or shape does not support, a kernel it cannot compile
             times[name] = None
+    if not any(times.values()):
+        raise ConfigError(f"no attention ran on this GPU at {batch} x {config.num_heads} x {seq}, head dim "
+                          f"{config.head_dim}: nothing to take as its ceiling")
     return times
 
 
@@ -149,34 +156,48 @@ def data_sheet_ceilings(gpu_name: str, presets: list[str]) -> dict:
     if tflops is None or bandwidth is None:
         raise ConfigError(f"--gpu-name {gpu_name!r}: no data-sheet peak for it (tinytransformer/device.py); run on the "
                           f"GPU or give --ceilings-json")
-    ceilings = {"bandwidth_tbs": bandwidth, "presets": {}}
+    ceilings = {"bandwidth_tbs": bandwidth, "gemm_ceiling": DATA_SHEET, "presets": {}}
     for name in presets:
         config, batch, seq = preset_problem(name)
         ceilings["presets"][name] = {
             "gemm_us": {g.name: 2 * g.m * g.n * g.k / (tflops * 1e6) for g in step_gemms(config, batch, seq)},
-            "attention_us": {"data-sheet peak": attention_flops(config, batch, seq) / config.num_layers
+            "attention_us": {DATA_SHEET: attention_flops(config, batch, seq) / config.num_layers
                              / (tflops * 1e6)}}
     return ceilings
 
 
 def ceilings_from_file(path: str, presets: list[str]) -> dict:
-    """The ceilings a GPU run of this command wrote, checked for every GEMM and an attention time of `presets`."""
+    """The ceilings a GPU run of this command wrote (and the machine it names), checked: for each of `presets`
+    every GEMM's time and at least one attention time, all numbers finite and positive."""
     try:
         recorded = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ConfigError(f"--ceilings-json {path}: cannot read it ({type(error).__name__})") from None
     ceilings = recorded.get("ceilings") if isinstance(recorded, dict) else None
-    if not isinstance(ceilings, dict) or not isinstance(ceilings.get("bandwidth_tbs"), (int, float)):
+    if not isinstance(ceilings, dict) or not isinstance(ceilings.get("presets"), dict):
         raise ConfigError(f"--ceilings-json {path}: not a file that step_floor.py --output-json wrote (no ceilings)")
+    check_positive(path, "bandwidth_tbs", ceilings.get("bandwidth_tbs"))
     for name in presets:
-        measured = ceilings.get("presets", {}).get(name, {})
-        config, batch, seq = preset_problem(name)
-        gemms_known = all(g.name in measured.get("gemm_us", {}) for g in step_gemms(config, batch, seq))
-        attention_known = any(us for us in measured.get("attention_us", {}).values())
-        if not (gemms_known and attention_known):
+        measured = ceilings["presets"].get(name)
+        gemm_us = measured.get("gemm_us") if isinstance(measured, dict) else None
+        attention_us = measured.get("attention_us") if isinstance(measured, dict) else None
+        if not isinstance(gemm_us, dict) or not isinstance(attention_us, dict):
             raise ConfigError(f"--ceilings-json {path}: no ceilings for preset {name} (run step_floor.py on a GPU "
                               f"with --preset {name} --output-json FILE)")
-    return ceilings
+        config, batch, seq = preset_problem(name)
+        for gemm in step_gemms(config, batch, seq):
+            check_positive(path, f"{name}: gemm_us: {gemm.name}", gemm_us.get(gemm.name))
+        for candidate, us in attention_us.items():
+            if us is not None:   # None: a candidate that did not run on that GPU
+                check_positive(path, f"{name}: attention_us: {candidate}", us)
+        if not any(us is not None for us in attention_us.values()):
+            raise ConfigError(f"--ceilings-json {path}: {name}: no attention time")
+    return {**ceilings, "environment": recorded.get("environment")}
+
+
+def check_positive(path: str, key: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"--ceilings-json {path}: {key} must be a positive number, got {value!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -190,14 +211,19 @@ def floor_rows(name: str, ceilings: dict) -> list[dict]:
     gemm_ms = sum(measured["gemm_us"][g.name] * g.count for g in gemms) / 1000
     gemm_flops = sum(g.flops for g in gemms)
     rows = [{"family": "GEMMs", "work": f"{gemm_flops / 1e12:.2f} TFLOP", "floor_ms": gemm_ms,
-             "ceiling": f"vendor BLAS at each shape, {gemm_flops / (gemm_ms * 1e9):.0f} TFLOP/s on average"}]
-    runs = {k: us for k, us in measured["attention_us"].items() if us is not None}
+             "ceiling": f"{ceilings.get('gemm_ceiling', 'vendor BLAS at each shape')}, "
+                        f"{gemm_flops / (gemm_ms * 1e9):.0f} TFLOP/s on average"}]
+    bandwidth = ceilings["bandwidth_tbs"]
+    # Per layer: the candidate's forward + backward, plus RoPE's backward pass where the candidate does not do it.
+    rope_backward_us = rope_backward_bytes(config, batch, seq) / config.num_layers / (bandwidth * 1e6)
+    runs = {k: us + (0.0 if k in (OURS, DATA_SHEET) else rope_backward_us)
+            for k, us in measured["attention_us"].items() if us is not None}
     fastest = min(runs, key=runs.get)
     flops = attention_flops(config, batch, seq)
     attention_ms = runs[fastest] * config.num_layers / 1000
+    label = fastest if fastest in (OURS, DATA_SHEET) else f"{fastest} + RoPE's backward pass"
     rows.append({"family": "attention", "work": f"{flops / 1e12:.3f} TFLOP", "floor_ms": attention_ms,
-                 "ceiling": f"{fastest}, {flops / (attention_ms * 1e9):.0f} TFLOP/s"})
-    bandwidth = ceilings["bandwidth_tbs"]
+                 "ceiling": f"{label}, {flops / (attention_ms * 1e9):.0f} TFLOP/s"})
     for family, nbytes in memory_passes(config, batch, seq).items():
         rows.append({"family": family, "work": f"{nbytes / 1e9:.2f} GB", "floor_ms": nbytes / (bandwidth * 1e9),
                      "ceiling": f"streaming, {bandwidth:.2f} TB/s"})
@@ -233,7 +259,7 @@ def parse_args(argv):
     if (args.step_ms is not None or args.target_ms is not None) and len(args.preset) != 1:
         parser.error("--step-ms and --target-ms set one preset's times against its floor: give one --preset")
     for flag, value in (("--step-ms", args.step_ms), ("--target-ms", args.target_ms)):
-        if value is not None and not value > 0:
+        if value is not None and not (math.isfinite(value) and value > 0):
             parser.error(f"{flag}: a positive number of milliseconds, got {value}")
     if args.output_json:
         prove_output_file(args.output_json, "--output-json")
@@ -261,7 +287,8 @@ def main(argv=None) -> int:
             write_json(args.output_json, {
                 "benchmark": "one training step's work at this GPU's ceilings, by family (step_floor.py)",
                 "command": "python benchmarks/" + command_line("step_floor.py", argv),
-                "environment": software_and_gpu(), "source": source, "ceilings": ceilings,
+                "environment": ceilings.get("environment") or software_and_gpu(), "source": source,
+                "ceilings": {k: v for k, v in ceilings.items() if k != "environment"},
                 "floors": {name: {"rows": rows, "floor_ms": sum(r["floor_ms"] for r in rows)}
                            for name, rows in tables.items()}})
             print(f"results: {args.output_json}")

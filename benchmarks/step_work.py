@@ -1,21 +1,25 @@
 """The work one training step of TinyLlama must do, by family: matrix products, attention, and the bytes of
 every memory-bound pass, counted from the model's sizes (no GPU, nothing run).
 
-This is the first of METHOD's "two numbers" for a whole step: the operations and the bytes. step_floor.py
-divides them by what a GPU can do (its measured ceilings) to get the time no implementation of this step can
-beat with kernels of those speeds.
+These are the two numbers to count before timing anything, for a whole step: the operations and the bytes.
+step_floor.py divides them by what a GPU can do (its measured ceilings) to get the time no implementation of
+this step can beat with kernels of those speeds run one after another.
 
 What counts as the step's function (every version computes it; bfloat16 autocast, as the presets are benchmarked):
 - GEMMs in 16-bit with float32 accumulation: per projection the forward, the input gradient and the weight
   gradient (three products of 2 M N K FLOPs each); the output head too.
-- Causal attention as flash attention computes it: the score and value products over the S^2/2 visible pairs,
-  two in the forward pass and five in the backward (dq, dk, dv, and the scores and dO V^T once more).
+- Causal attention as flash attention computes it, over the visible pairs (S(S+1)/2, counted as S^2/2): two
+  products in the forward pass (the scores, and the probabilities times V) and five in the backward (the scores
+  once more, dP = dO V^T, and dq, dk, dv).
 - A residual stream in float32 (autocast adds each sub-layer's 16-bit output to it), float32 master weights with
   AdamW's two float32 moments, and a 16-bit copy of every projection weight for the GEMMs.
 
-The memory-bound families are counted as one pass each way, each input read once and each output written once
-(the fusions version 4 has; a family fused into a GEMM would cost less, which no version here does at the
-presets): bytes per element in the comments below.
+The memory-bound families are counted as one pass each way, each input read once and each output written once:
+bytes per element in the comments below. That is what a kernel of its own per family needs at the least. A
+family fused into a GEMM's prologue or epilogue would cost less (version 4 does that for RoPE and SwiGLU below
+the small preset, where its Triton GEMMs are faster than the vendor's and the floor is launch-bound anyway).
+RoPE's backward is not here: it is part of the attention's backward where the attention kernels rotate dq and
+dk back as they store them, and step_floor.py adds it to any attention that does not.
 """
 from __future__ import annotations
 
@@ -69,28 +73,42 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
     return with_copy, without_copy
 
 
+def rope_backward_bytes(config: ModelConfig, batch: int, seq: int) -> int:
+    """RoPE's backward as a pass of its own (for an attention whose backward does not rotate dq and dk back):
+    dq and dk, 2D of each token's 3D, read and written once, in 16 bits."""
+    return config.num_layers * batch * seq * 2 * config.hidden_dim * 2 * ACTIVATION_BYTES
+
+
 def memory_passes(config: ModelConfig, batch: int, seq: int) -> dict[str, int]:
     """{family: bytes a step} of the memory-bound passes, each input read once, each output written once."""
     tokens, d, f, v = batch * seq, config.hidden_dim, config.intermediate_size, config.vocab_size
-    layers, a, w = config.num_layers, ACTIVATION_BYTES, FLOAT32_BYTES
-    add_norms = 2 * layers   # every norm after the first adds a sub-layer's output to the residual stream
+    layers, b16, f32 = config.num_layers, ACTIVATION_BYTES, FLOAT32_BYTES
     with_copy, without_copy = parameter_counts(config)
+    # The 2L + 1 norms: the first after the embedding lookup, 2L - 1 inside the layers that add a sub-layer's
+    # output to the residual stream, and the final norm, which adds too but whose sum nothing else reads.
+    layer_norms = 2 * layers - 1
+    first_forward = f32 + f32 + b16             # read the embedding rows; write the residual and normed
+    add_norm_forward = f32 + b16 + f32 + b16    # read residual + sub-layer output; write residual + normed
+    final_forward = f32 + b16 + b16             # read residual + sub-layer output; write normed
+    # Backward: read dnormed (2), the norm's input h (4) and the residual's gradient (4); write the gradient (4)
+    # and its 16-bit copy for the GEMM before it (2). The final norm has no residual gradient to read; the first
+    # norm's gradient goes into the embedding table's (its row additions: "embedding gradient").
+    add_norm_backward = b16 + f32 + f32 + f32 + b16
+    final_backward = b16 + f32 + f32 + b16
+    first_backward = b16 + f32 + f32
+    norms = (first_forward + layer_norms * add_norm_forward + final_forward
+             + first_backward + layer_norms * add_norm_backward + final_backward)
     return {
-        # forward: read residual (4) + sub-layer output (2), write residual (4) + normed (2); the first norm reads
-        # the embedding rows (4) and writes residual and normed. Backward: read dnormed (2), h (4), the residual's
-        # gradient (4); write the gradient (4) and its 16-bit copy for the GEMM before it (2); the first norm's
-        # gradient goes into the embedding table's instead (its row additions: below).
-        "norms (add + RMSNorm)": tokens * d * (add_norms * (2 * w + 2 * a) + (2 * w + a)
-                                               + add_norms * (a + 2 * w + w + a) + (a + 2 * w)),
+        "norms (add + RMSNorm)": tokens * d * norms,
         # forward: read gate and up (2 x 2), write h (2); backward: read dh, gate, up (3 x 2), write dgate, dup (2 x 2)
-        "SwiGLU": layers * tokens * f * (3 * a + 5 * a),
-        # q and k (2D of each token's 3D) read and written once, rotated (the backward's inverse rotation rides on
-        # the attention backward's stores)
-        "RoPE": layers * tokens * 2 * d * 2 * a,
-        # the 16-bit logits: read for the log-sum-exp, read again and overwritten by their gradient
-        "loss (softmax cross-entropy)": tokens * v * 3 * a,
+        "SwiGLU": layers * tokens * f * (3 * b16 + 5 * b16),
+        # the forward rotation of q and k (2D of each token's 3D), read and written once
+        "RoPE": layers * tokens * 2 * d * 2 * b16,
+        # the 16-bit logits read once and overwritten by their gradient (version 4 reads a row twice where it is
+        # longer than the 4,096 entries one program holds: the log-sum-exp first, then the gradient)
+        "loss (softmax cross-entropy)": tokens * v * 2 * b16,
         # the table's float32 gradient written once, each token's row added into it (read and written)
-        "embedding gradient": v * d * w + tokens * d * 2 * w,
+        "embedding gradient": v * d * f32 + tokens * d * 2 * f32,
         # weight, gradient, two moments read; weight and moments written (7 x 4); a 16-bit copy written (2)
-        "AdamW": with_copy * (7 * w + a) + without_copy * 7 * w,
+        "AdamW": with_copy * (7 * f32 + b16) + without_copy * 7 * f32,
     }

@@ -33,20 +33,33 @@ def test_gemm_flops_are_three_times_the_forward_products(config):
     attention = per_layer["attention_scores"] + per_layer["attention_values"]
     forward_products = flops.forward_flops(config, batch, seq) - config.num_layers * attention
     assert sum(g.flops for g in step_work.step_gemms(config, batch, seq)) == 3 * forward_products
-    # 7 products over S^2 / 2 pairs where the MFU formula counts the forward's 2 over all S^2 pairs.
+    # 7 products over S^2 / 2 pairs where the MFU formula counts the forward's 2 over all S^2 pairs (exact for an
+    # even S, as here).
     assert step_work.attention_flops(config, batch, seq) * 4 == 7 * config.num_layers * attention
 
 
 def test_memory_passes_count_each_input_and_output_once():
-    """By hand for one size: tokens T = 6, D = 4, F = 8, V = 10, two layers."""
+    """By hand for one size, tensor by tensor (T = 6 tokens, D = 4, F = 8, V = 10, two layers; bf16 = 2 bytes,
+    float32 = 4): each pass's inputs read once and outputs written once."""
     config = ModelConfig(vocab_size=10, hidden_dim=4, num_layers=2, num_heads=2, intermediate_size=8)
     passes = step_work.memory_passes(config, batch=2, seq=3)
-    tokens, d, f, v = 6, 4, 8, 10
-    assert passes["SwiGLU"] == 2 * tokens * f * (6 + 10)
-    assert passes["norms (add + RMSNorm)"] == tokens * d * (4 * 12 + 10 + 4 * 16 + 10)
-    assert passes["loss (softmax cross-entropy)"] == tokens * v * 6
+    td, tf, tv, vd = 6 * 4, 6 * 8, 6 * 10, 10 * 4
+    bf16, f32 = 2, 4
+    # norms: the embedding's norm, three inside the layers (after layer 0's attention, before and after layer
+    # 1's attention), the final one; forward then backward
+    first = (td * f32) + (td * f32 + td * bf16) + (td * bf16 + td * f32 + td * f32)
+    inside = (td * f32 + td * bf16) + (td * f32 + td * bf16) + (td * bf16 + 2 * td * f32) + (td * f32 + td * bf16)
+    final = (td * f32 + td * bf16) + td * bf16 + (td * bf16 + td * f32) + (td * f32 + td * bf16)
+    assert passes["norms (add + RMSNorm)"] == first + 3 * inside + final
+    swiglu_forward = 2 * tf * bf16 + tf * bf16
+    swiglu_backward = (tf + 2 * tf) * bf16 + 2 * tf * bf16
+    assert passes["SwiGLU"] == 2 * (swiglu_forward + swiglu_backward)
+    assert passes["RoPE"] == 2 * (2 * td * bf16 + 2 * td * bf16)   # q and k in, q and k out, per layer
+    assert step_work.rope_backward_bytes(config, 2, 3) == passes["RoPE"]
+    assert passes["loss (softmax cross-entropy)"] == tv * bf16 + tv * bf16
+    assert passes["embedding gradient"] == vd * f32 + td * f32 + td * f32
     with_copy, without_copy = step_work.parameter_counts(config)
-    assert passes["AdamW"] == 30 * with_copy + 28 * without_copy
+    assert passes["AdamW"] == with_copy * (4 * f32 + 3 * f32 + bf16) + without_copy * (4 * f32 + 3 * f32)
 
 
 def test_data_sheet_floor_is_the_work_over_the_peaks():
@@ -89,6 +102,7 @@ def test_the_table_from_committed_ceilings_names_each_family_and_the_target(tmp_
     (["--preset", "small", "small"], "each preset once"),
     (["--preset", "small", "medium", "--target-ms", "3"], "one --preset"),
     (["--preset", "small", "--step-ms", "-1", "--gpu-name", "H100"], "positive"),
+    (["--preset", "small", "--step-ms", "inf", "--gpu-name", "H100"], "positive"),
     (["--gpu-name", "Z80"], "no data-sheet peak"),
     (["--ceilings-json", "/no/such/file.json"], "cannot read it"),
     (["--ceilings-json", str(REPO / "pyproject.toml")], "cannot read it"),
@@ -98,6 +112,27 @@ def test_bad_input_is_refused_in_one_line(flags, message):
     result = run(flags)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("step_floor.py: error:") and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda c: c.update(bandwidth_tbs=0), "bandwidth_tbs must be a positive number"),
+    (lambda c: c.update(bandwidth_tbs=True), "bandwidth_tbs must be a positive number"),
+    (lambda c: c.update(presets=[]), "not a file that step_floor.py"),
+    (lambda c: c["presets"].update(large="fast"), "no ceilings for preset large"),
+    (lambda c: c["presets"]["large"].update(gemm_us=[1, 2]), "no ceilings for preset large"),
+    (lambda c: c["presets"]["large"]["gemm_us"].update({"o forward": "12"}), "o forward must be a positive"),
+    (lambda c: c["presets"]["large"]["gemm_us"].update({"o forward": float("nan")}), "must be a positive"),
+    (lambda c: c["presets"]["large"]["attention_us"].update({"sdpa cudnn_attention": -5}), "must be a positive"),
+    (lambda c: c["presets"]["large"].update(attention_us={"sdpa flash_attention": None}), "no attention time"),
+])
+def test_a_spoilt_ceilings_file_is_refused_in_one_line(spoil, message, tmp_path):
+    committed = json.loads(COMMITTED.read_text())
+    spoil(committed["ceilings"])
+    path = tmp_path / "spoilt.json"
+    path.write_text(json.dumps(committed))
+    result = run(["--preset", "large", "--ceilings-json", str(path)])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr, result.stderr
 
 
 def test_a_ceilings_file_without_the_preset_is_refused(tmp_path):

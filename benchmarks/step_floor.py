@@ -29,16 +29,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, also when run as a file
 
-from benchmarks.step_work import attention_flops, memory_passes, rope_backward_bytes, step_gemms  # noqa: E402
+from benchmarks.step_work import attention_flops, memory_passes, rope_pass_bytes, step_gemms  # noqa: E402
+from tinytransformer.checks import check_number  # noqa: E402
 from tinytransformer.cli import OneLineParser, command_line, run_command  # noqa: E402
-from tinytransformer.config import ConfigError, ModelConfig, preset_settings  # noqa: E402
+from tinytransformer.config import ConfigError, ModelConfig, available_presets, preset_settings  # noqa: E402
 from tinytransformer.device import peak_bandwidth_tbs, peak_tflops, software_and_gpu  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
 from tinytransformer.paths import prove_output_file  # noqa: E402
 
-PRESETS = ("tiny", "small", "medium", "large")
 OURS = "version 4 (Triton)"   # the attention candidate whose backward rotates dq and dk back itself
 DATA_SHEET = "data-sheet peak"   # the ceiling of every GEMM and of attention with --gpu-name
+# Attention ceilings that need no RoPE backward pass beside them: ours, and the data sheet's pure FLOP rate.
+NO_ROPE_PASS = (OURS, DATA_SHEET)
 ROUNDS = 5            # interleaved rounds of the GPU measurements
 COPY_BYTES = 2 ** 30  # the copy that measures bandwidth: well past any L2 cache
 WARM_SECONDS = 5.0    # of large GEMMs before the measurements (settle_clocks)
@@ -196,8 +198,11 @@ def ceilings_from_file(path: str, presets: list[str]) -> dict:
 
 
 def check_positive(path: str, key: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"--ceilings-json {path}: {key} must be a positive number, got {value!r}")
+    """The project's rule for a positive number (tinytransformer/checks.py), said of the file's key."""
+    try:
+        check_number(key, value, positive=True)
+    except ConfigError:
+        raise ConfigError(f"--ceilings-json {path}: {key} must be a positive number, got {value!r}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -215,13 +220,13 @@ def floor_rows(name: str, ceilings: dict) -> list[dict]:
                         f"{gemm_flops / (gemm_ms * 1e9):.0f} TFLOP/s on average"}]
     bandwidth = ceilings["bandwidth_tbs"]
     # Per layer: the candidate's forward + backward, plus RoPE's backward pass where the candidate does not do it.
-    rope_backward_us = rope_backward_bytes(config, batch, seq) / config.num_layers / (bandwidth * 1e6)
-    runs = {k: us + (0.0 if k in (OURS, DATA_SHEET) else rope_backward_us)
+    rope_backward_us = rope_pass_bytes(config, batch, seq) / config.num_layers / (bandwidth * 1e6)
+    runs = {k: us + (0.0 if k in NO_ROPE_PASS else rope_backward_us)
             for k, us in measured["attention_us"].items() if us is not None}
     fastest = min(runs, key=runs.get)
     flops = attention_flops(config, batch, seq)
     attention_ms = runs[fastest] * config.num_layers / 1000
-    label = fastest if fastest in (OURS, DATA_SHEET) else f"{fastest} + RoPE's backward pass"
+    label = fastest if fastest in NO_ROPE_PASS else f"{fastest} + RoPE's backward pass"
     rows.append({"family": "attention", "work": f"{flops / 1e12:.3f} TFLOP", "floor_ms": attention_ms,
                  "ceiling": f"{label}, {flops / (attention_ms * 1e9):.0f} TFLOP/s"})
     for family, nbytes in memory_passes(config, batch, seq).items():
@@ -245,7 +250,8 @@ def print_table(name: str, rows: list[dict], source: str, step_ms: float | None,
 
 def parse_args(argv):
     parser = OneLineParser(prog="step_floor.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", nargs="+", choices=PRESETS, default=["medium"], help="the presets [medium]")
+    parser.add_argument("--preset", nargs="+", choices=available_presets(), default=["medium"],
+                        help="the presets [medium]")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--ceilings-json", help="the ceilings a GPU run of this command wrote (--output-json)")
     source.add_argument("--gpu-name", help="use the data sheet's peaks of this GPU (e.g. H100, H200, MI300X) "

@@ -73,9 +73,10 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
     return with_copy, without_copy
 
 
-def rope_backward_bytes(config: ModelConfig, batch: int, seq: int) -> int:
-    """RoPE's backward as a pass of its own (for an attention whose backward does not rotate dq and dk back):
-    dq and dk, 2D of each token's 3D, read and written once, in 16 bits."""
+def rope_pass_bytes(config: ModelConfig, batch: int, seq: int) -> int:
+    """One rotation pass of RoPE, all layers: q and k (2D of each token's 3D) read and written once, in 16 bits.
+    The forward pass rotates q and k; an attention whose backward does not rotate dq and dk back needs the same
+    pass again for them (step_floor.py)."""
     return config.num_layers * batch * seq * 2 * config.hidden_dim * 2 * ACTIVATION_BYTES
 
 
@@ -102,8 +103,7 @@ def memory_passes(config: ModelConfig, batch: int, seq: int) -> dict[str, int]:
         "norms (add + RMSNorm)": tokens * d * norms,
         # forward: read gate and up (2 x 2), write h (2); backward: read dh, gate, up (3 x 2), write dgate, dup (2 x 2)
         "SwiGLU": layers * tokens * f * (3 * b16 + 5 * b16),
-        # the forward rotation of q and k (2D of each token's 3D), read and written once
-        "RoPE": layers * tokens * 2 * d * 2 * b16,
+        "RoPE": rope_pass_bytes(config, batch, seq),   # the forward rotation of q and k
         # the 16-bit logits read once and overwritten by their gradient (version 4 reads a row twice where it is
         # longer than the 4,096 entries one program holds: the log-sum-exp first, then the gradient)
         "loss (softmax cross-entropy)": tokens * v * 2 * b16,

@@ -55,7 +55,7 @@ def test_memory_passes_count_each_input_and_output_once():
     swiglu_backward = (tf + 2 * tf) * bf16 + 2 * tf * bf16
     assert passes["SwiGLU"] == 2 * (swiglu_forward + swiglu_backward)
     assert passes["RoPE"] == 2 * (2 * td * bf16 + 2 * td * bf16)   # q and k in, q and k out, per layer
-    assert step_work.rope_backward_bytes(config, 2, 3) == passes["RoPE"]
+    assert step_work.rope_pass_bytes(config, 2, 3) == passes["RoPE"]
     assert passes["loss (softmax cross-entropy)"] == tv * bf16 + tv * bf16
     assert passes["embedding gradient"] == vd * f32 + td * f32 + td * f32
     with_copy, without_copy = step_work.parameter_counts(config)

@@ -393,9 +393,26 @@ def ddp_bfloat16_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def spawn_ddp_ranks(worker, out_dir: Path, attempts: int = 2) -> None:
+    """mp.spawn two ranks of a DDP worker, once more if a rank was killed by a signal after BOTH had written their
+    results. Once in a full CPU run (2 cores, 1,781 tests) a rank aborted (SIGABRT) inside gloo's teardown after its
+    work was done; alone and under load the test passed every time since. That teardown is not what the test
+    checks: a rank that fails before writing its results, raises, or fails twice still fails the test."""
+    for attempt in range(attempts):
+        try:
+            mp.spawn(worker, args=(2, distributed.free_port(), str(out_dir)), nprocs=2, join=True)
+            return
+        except mp.ProcessExitedException as exited:
+            results_written = all((out_dir / f"rank{rank}.pt").exists() for rank in range(2))
+            if exited.signal_name is None or not results_written or attempt == attempts - 1:
+                raise
+            for rank in range(2):   # the retry must write its own results
+                (out_dir / f"rank{rank}.pt").unlink()
+
+
 def test_ddp_bfloat16_hook_averages_once_over_two_ranks(tmp_path):
     """Each rank's gradient divided by 2, rounded to bfloat16, summed in bfloat16: the mean, rounded, once."""
-    mp.spawn(ddp_bfloat16_worker, args=(2, distributed.free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ddp_ranks(ddp_bfloat16_worker, tmp_path)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     halves = [(got["local"] / 2).bfloat16() for got in results]
     expected = (halves[0] + halves[1]).float()

@@ -48,7 +48,7 @@ enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GP
 from tinytransformer.device import software_and_gpu  # noqa: E402
 from tinytransformer.kernel_bench.graph_timing import captured_launches, graph_ms, time_interleaved  # noqa: E402
 from tinytransformer.kernel_bench.tuner_cli import (candidates_from_flags, prove_output_json,  # noqa: E402
-                                                  refuse_without_gpu)
+                                                  refuse_without_gpu, why_unavailable)
 from version4_triton_ultra.kernels import linear_cross_entropy as lce  # noqa: E402
 from benchmarks import tma_gemm as tg  # noqa: E402
 
@@ -200,11 +200,6 @@ def rows_of(operands: Operands, gemm: StepGemm, candidates: list, triton_problem
     return rows
 
 
-def one_line(why: Exception) -> str:
-    text = str(why).strip()
-    return text.splitlines()[0][:120] if text else type(why).__name__
-
-
 def measure(gemm: StepGemm, dtype: torch.dtype, candidates: list, triton_problem: str | None, seed: int) -> dict:
     """{row: {"us": ..., "tflops": ..., "error": ..., "check": ...} or {"unavailable": why}} for one GEMM."""
     operands = Operands(gemm, dtype, seed)
@@ -219,7 +214,7 @@ def measure(gemm: StepGemm, dtype: torch.dtype, candidates: list, triton_problem
             graphs[name] = captured_launches(run, CALLS_PER_GRAPH)
             results[name] = {"error": error, "check": verdict}
         except Exception as why:   # noqa: BLE001 - a launch this GPU cannot compile or run is not a candidate
-            results[name] = {"unavailable": one_line(why)}
+            results[name] = {"unavailable": why_unavailable(why)}
     times = time_interleaved({name: (lambda g=g: graph_ms(g)) for name, g in graphs.items()}, ROUNDS)
     for name, ms in times.items():
         us = 1000.0 * ms / CALLS_PER_GRAPH
@@ -227,14 +222,14 @@ def measure(gemm: StepGemm, dtype: torch.dtype, candidates: list, triton_problem
     return results
 
 
-def fastest_triton(results: dict) -> str | None:
-    timed = [name for name, row in results.items() if name != "cuBLAS" and "us" in row and row["check"] == "ok"]
-    return min(timed, key=lambda name: results[name]["us"]) if timed else None
-
-
 def checked_us(row: dict) -> float | None:
     """A row's time if it was timed and passed its check, else None."""
     return row.get("us") if row.get("check") == "ok" else None
+
+
+def fastest_triton(results: dict) -> str | None:
+    timed = [name for name, row in results.items() if name != "cuBLAS" and checked_us(row) is not None]
+    return min(timed, key=lambda name: results[name]["us"]) if timed else None
 
 
 def step_totals(gemms: list[StepGemm], measured: dict) -> dict:

@@ -23,9 +23,9 @@ Operand layouts, as torch's a @ b takes them (a [M, K], b [K, N]): a either row-
 row-major [K, M] (the weight gradient's grad_y.T), b either row-major [K, N] (an input gradient: grad_y @ W) or the
 transpose of a row-major [N, K] (a forward pass: x @ W.T). Row-major here allows rows further apart than their
 length (a column slice), as long as each row starts on a 16-byte boundary. The descriptor covers the matrix as it
-is stored and the kernel transposes the tile it loaded (tl.dot reads either order from shared memory for 16-bit types), so no
-operand is copied. Inputs are float16 or bfloat16, accumulated in float32; the output is the inputs' dtype or
-float32 (as the step's weight gradients).
+is stored and the kernel transposes the tile it loaded (tl.dot reads either order from shared memory for 16-bit
+types), so no operand is copied. Inputs are float16 or bfloat16, accumulated in float32; the output is the
+inputs' dtype or float32 (as the step's weight gradients).
 
 Where it runs: NVIDIA GPUs of compute capability 9 (Hopper) and newer, and Triton's CPU interpreter (the tests).
 It has not been compiled for AMD GPUs; its launches are the H200's (below), and tma_gemm_problem says where it

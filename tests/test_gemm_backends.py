@@ -136,3 +136,12 @@ def test_the_command_at_the_tiny_preset(tmp_path):
         assert gemm["rows"]["cuBLAS"]["check"] == "ok"
         assert all(row.get("check", "ok") == "ok" for row in gemm["rows"].values())
     assert result["step_gemm_ms"]["cuBLAS"] > 0
+
+
+def test_why_a_row_is_unavailable_in_one_line():
+    """The reason both kernel comparisons print for a row that could not run (tuner_cli.why_unavailable)."""
+    from tinytransformer.kernel_bench.tuner_cli import why_unavailable
+    assert why_unavailable(RuntimeError("out of resource: shared memory\n  source excerpt")) == \
+        "out of resource: shared memory"
+    assert why_unavailable(RuntimeError("x" * 200)) == "x" * 120
+    assert why_unavailable(RuntimeError("  ")) == "RuntimeError"

@@ -41,7 +41,8 @@ enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GP
 
 from tinytransformer.device import software_and_gpu  # noqa: E402
 from tinytransformer.kernel_bench.graph_timing import captured_launches, graph_ms, time_interleaved  # noqa: E402
-from tinytransformer.kernel_bench.tuner_cli import prove_output_json, refuse_without_gpu  # noqa: E402
+from tinytransformer.kernel_bench.tuner_cli import (prove_output_json, refuse_without_gpu,  # noqa: E402
+                                                  why_unavailable)
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
 from version4_triton_ultra.kernels.flash_attention import (packed_attention_backward,  # noqa: E402
                                                            packed_attention_forward)
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
             runs[f"{name}|forward"] = lambda g=graphs[0], keep=keep: graph_ms(g)
             runs[f"{name}|forward + backward"] = lambda g=graphs[1], keep=keep: graph_ms(g)
         except Exception as why:   # noqa: BLE001 - a backend this GPU or build cannot run is a row of its own
-            unavailable[name] = str(why).strip().splitlines()[0][:120] if str(why).strip() else type(why).__name__
+            unavailable[name] = why_unavailable(why)
     times = time_interleaved(runs, ROUNDS)
     forward_flops = 4 * args.batch * args.heads * args.seq_len ** 2 * args.head_dim / 2
     print(f"{torch.cuda.get_device_name()}: causal attention, {args.batch} x {args.heads} heads x {args.seq_len}, "

@@ -5,7 +5,9 @@ Candidate launches ("A,B,C", each a power of two): tune_qk_rotation.py (ROWS,HEA
 (ELEMENTS,WARPS) and tune_cross_entropy.py (BLOCK_V,WARPS) read their --candidates with powers_of_two and
 candidates_from_flags; tune_norm_backward.py and tune_attention_tiles.py (whose candidates have a field that is not
 a power of two) with the second only. --output-json is proven writable up front (prove_output_json), and a machine
-without a GPU is refused (refuse_without_gpu) by every one of them.
+without a GPU is refused (refuse_without_gpu) by every one of them. A row that cannot run (a backend this build
+lacks, a launch too large for the GPU) says why in one line: why_unavailable (compare_attention_backends.py,
+benchmarks/compare_gemm_backends.py).
 """
 from __future__ import annotations
 
@@ -52,3 +54,10 @@ def refuse_without_gpu(parser) -> None:
     """The parser's one-line error on a machine without a GPU: timings in Triton's CPU interpreter mean nothing."""
     if not torch.cuda.is_available():
         parser.error("needs a GPU (CUDA or ROCm): timings in Triton's CPU interpreter say nothing about one")
+
+
+def why_unavailable(why: Exception) -> str:
+    """Why a row could not run, in one line for its table: the error's first line (at most 120 characters), or
+    the error's type when it has no message."""
+    text = str(why).strip()
+    return text.splitlines()[0][:120] if text else type(why).__name__

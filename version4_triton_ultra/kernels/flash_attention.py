@@ -1,13 +1,13 @@
 """Version 4's causal flash attention in Triton: version 3's kernels, plus RoPE applied as q and k are loaded.
 
 What changed from version 3 (`diff ../../version3_triton/kernels/flash_attention.py flash_attention.py`): the
-ROPE switch of every kernel (rotate q and k on load in the forward; rotate dq and dk back in the backward), the
-rotated copies the forward writes for the backward, `rope=` on the entry points, and packed_attention_forward /
-packed_attention_backward for the QKV GEMM that rotates q and k in its epilogue (qkv_rope_gemm.py, version 4's
-default). rotate_half is public: that GEMM's epilogue uses it too. And the launch choices: version 3's
-everywhere, except for 16-bit inputs at head dims 64 and 128 on Hopper-class NVIDIA GPUs, which get the
-pipelined 64 x 64 tiles measured fastest at the size presets (_launch_config). The kernels' arithmetic is
-version 3's.
+ROPE switch of every kernel (rotate q and k on load in the forward; rotate dq and dk back in the backward, half by
+half as they are stored: _store_rows_rotated_back), the rotated copies the forward writes for the backward,
+`rope=` on the entry points, and packed_attention_forward / packed_attention_backward for the QKV GEMM that
+rotates q and k in its epilogue (qkv_rope_gemm.py, version 4's default). rotate_half is public: that GEMM's
+epilogue uses it. And the launch choices: version 3's everywhere, except for 16-bit inputs at head dims 64 and
+128 on Hopper-class NVIDIA GPUs, which get the pipelined 64 x 64 tiles measured fastest at the size presets
+(_launch_config). The kernels' arithmetic is version 3's.
 
 Attention is out = softmax(q k^T * sm_scale + causal mask) v. Written naively it builds the S x S score
 matrix for every head: at S = 4096 that is 16 M scores per head, written to memory and read back by the
@@ -158,18 +158,27 @@ def rotate_half(x, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _rope(x, Cos, Sin, rows, seq_len, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INVERSE: tl.constexpr):
-    """Rotate the block x (rows `rows` of a sequence) by RoPE, in float32.
+def _store_rows_rotated_back(base, rows, row_stride, seq_len, x, Cos, Sin, BLOCK: tl.constexpr,
+                             HEAD_DIM: tl.constexpr):
+    """Store x rotated back by RoPE (x * cos - rotate_half(x) * sin, the transpose of the rotation: it takes a
+    gradient with respect to a rotated row back to the unrotated row) into rows `rows`, skipping rows past the end.
 
-    INVERSE applies the transpose of the rotation, x * cos - rotate_half(x) * sin: it takes a gradient with
-    respect to a rotated row back to the unrotated row (valid because cos and sin repeat across the halves).
+    Half by half: with x = [x1 | x2] and cos, sin equal on both halves (c and s), the rows are
+    [x1 c + x2 s | x2 c - x1 s], stored as two [BLOCK, HEAD_DIM / 2] blocks. Splitting x takes no layout
+    conversion in the compiled code; rebuilding the rotated block with rotate_half before one store sent the
+    float32 block through shared memory twice more, at the end of programs whose loops are short: the backward
+    pass took 155.3 us instead of 142.5 at the medium preset's shape on an H200, and 438.9 instead of 391.3 at the
+    large one's (the same bits either way; version 4's README, "The attention backward's RoPE").
     """
-    cos = _load_rows(Cos, rows, HEAD_DIM, seq_len, HEAD_DIM)
-    sin = _load_rows(Sin, rows, HEAD_DIM, seq_len, HEAD_DIM)
-    if INVERSE:
-        sin = -sin
-    x = x.to(tl.float32)
-    return x * cos + rotate_half(x, BLOCK, HEAD_DIM) * sin
+    half: tl.constexpr = HEAD_DIM // 2
+    x1, x2 = tl.split(tl.permute(tl.reshape(x.to(tl.float32), (BLOCK, 2, half)), (0, 2, 1)))
+    cols = tl.arange(0, half)
+    in_sequence = rows[:, None] < seq_len
+    c = tl.load(Cos + rows[:, None] * HEAD_DIM + cols[None, :], mask=in_sequence, other=0.0)
+    s = tl.load(Sin + rows[:, None] * HEAD_DIM + cols[None, :], mask=in_sequence, other=0.0)
+    first_half = base + rows[:, None] * row_stride + cols[None, :]
+    tl.store(first_half, (x1 * c + x2 * s).to(base.dtype.element_ty), mask=in_sequence)
+    tl.store(first_half + half, (x2 * c - x1 * s).to(base.dtype.element_ty), mask=in_sequence)
 
 
 @triton.jit
@@ -180,7 +189,8 @@ def _load_q_or_k(base, row_stride, Cos, Sin, rows, seq_len, BLOCK: tl.constexpr,
     rotate_half(x) is read from memory rather than built in registers: the same rows are loaded a second time
     with their column halves swapped (a cache hit), and the sign of the first half is folded into sin. The
     forward kernel's loop rotates every k block it visits, so this load must be cheap; a register shuffle
-    (rotate_half) costs more there. Results rotated once per program (dq, dk) use the shuffle.
+    (rotate_half) costs more there. Results rotated once per program (dq, dk) are stored half by half instead
+    (_store_rows_rotated_back).
     """
     x = _load_rows(base, rows, row_stride, seq_len, HEAD_DIM)
     if ROPE:  # a constexpr: without RoPE this branch is not even compiled
@@ -408,8 +418,9 @@ def _flash_attention_backward_dkdv_kernel(
 
     dk = dk * sm_scale
     if ROPE:  # dk is the gradient for the rotated keys: rotate it back
-        dk = _rope(dk, Cos, Sin, cols, seq_len, BLOCK_N, HEAD_DIM, True)
-    _store_rows(dK, cols, qkv_row_stride, seq_len, dk, HEAD_DIM)
+        _store_rows_rotated_back(dK, cols, qkv_row_stride, seq_len, dk, Cos, Sin, BLOCK_N, HEAD_DIM)
+    else:
+        _store_rows(dK, cols, qkv_row_stride, seq_len, dk, HEAD_DIM)
     _store_rows(dV, cols, qkv_row_stride, seq_len, dv, HEAD_DIM)
 
 
@@ -477,8 +488,9 @@ def _flash_attention_backward_dq_kernel(
 
     dq = dq * sm_scale
     if ROPE:  # dq is the gradient for the rotated queries: rotate it back
-        dq = _rope(dq, Cos, Sin, rows, seq_len, BLOCK_M, HEAD_DIM, True)
-    _store_rows(dQ, rows, qkv_row_stride, seq_len, dq, HEAD_DIM)
+        _store_rows_rotated_back(dQ, rows, qkv_row_stride, seq_len, dq, Cos, Sin, BLOCK_M, HEAD_DIM)
+    else:
+        _store_rows(dQ, rows, qkv_row_stride, seq_len, dq, HEAD_DIM)
 
 
 # ----------------------------------------------------------------------------------------------------------

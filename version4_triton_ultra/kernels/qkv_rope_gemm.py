@@ -30,8 +30,8 @@ import triton.language as tl
 
 from tinytransformer.triton_support import (interpreter_active, interpreter_block, is_rocm, shared_memory_per_program,
                                             small_interpreter_blocks)
-# The head dims are the attention kernels' (this GEMM's output is their input), and rotate_half is the one
-# the attention backward rotates dq and dk back with: one definition of each in version 4.
+# The head dims are the attention kernels' (this GEMM's output is their input), and rotate_half is defined beside
+# them: one definition of each in version 4.
 from version4_triton_ultra.kernels.flash_attention import SUPPORTED_HEAD_DIMS, rotate_half
 from version4_triton_ultra.kernels.swiglu_gemm import MAX_ROW_BLOCKS, SUPPORTED_DTYPES, dot_precision
 

@@ -91,7 +91,8 @@ SUM_ELEMENTS_PER_THREAD = 64
 #     slower, 23.1 against 18.2 us at 4,096 rows.
 # Not timed on AMD (the rules apply there too, the prefetch excepted: there the tile in flight costs occupancy,
 # compiled for gfx942 at 2,048 features by the kernel report's compiler: 140 -> 192 VGPRs, 3 -> 2 waves per SIMD,
-# and 8 SGPRs spilled with the embedding's scatter), nor at 257-511 or 4,096 and more features on any GPU.
+# and 8 SGPRs spilled with the embedding's scatter), nor at 257-511 or more than 4,096 features on any GPU (at 4,096,
+# on an H200, the rules were the fastest of nine launches: see _backward_tile).
 WIDE_FROM_FEATURES = 512
 WIDE_TILE_ROWS = 4
 PREFETCH_FROM_FEATURES = WIDE_FROM_FEATURES
@@ -391,10 +392,11 @@ def _backward_tile(block_d, n_rows, device):
     gradients, 2 programs per SM with the prefetch, on an H200 (benchmarks/results/kernel_time/
     h200_norm_backward_wide_rows.json): at 512 features 4 rows and 4 warps 25.2 us against 31.7 with 8 rows; at
     2,048 features 2 rows and 8 warps 96.8 us against 112.4 with 4 warps (the large preset's step 95.9 -> 95.2 ms);
-    at 1,024 features 4 rows and 8 warps 49.0 us against 49.4 with 4. At 4,096 features (one row, 8 warps) and on
-    AMD GPUs nothing was timed. A row wider than 4,096 features is a tile of its own with 8 warps: 4 would give
-    each thread too many elements (at D = 8192, N = 2048 the kernel took 923 us with 4 warps against 162 us with
-    8, on an H100).
+    at 1,024 features 4 rows and 8 warps 49.0 us against 49.4 with 4. At 4,096 features this rule (one row, 8 warps)
+    was the fastest of nine launches on an H200 at 8,192 rows: 142.4 us against 161.7 with 2 rows and 8 warps and
+    176.1 with one row and 4 (h200_streaming_bandwidth.json). On AMD GPUs nothing was timed. A row wider than 4,096
+    features is a tile of its own with 8 warps: 4 would give each thread too many elements (at D = 8192, N = 2048
+    the kernel took 923 us with 4 warps against 162 us with 8, on an H100).
     """
     if interpreter_active():
         if small_interpreter_blocks():

@@ -90,6 +90,15 @@ def test_interpreter_run_refuses_sizes_that_would_take_hours_and_checks_small_on
     assert all(c["ok"] for c in report["checks"]) and report["results"] == []
 
 
+def test_out_of_gpu_memory_is_one_line_and_exit_2(monkeypatch, capsys):
+    def out_of_memory(args, argv):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(bench, "run_checks_and_timings", out_of_memory)
+    assert bench.main(["--hidden-sizes", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "out of GPU memory" in err and "--rows" in err
+
+
 @pytest.mark.gpu
 def test_gpu_timing_gives_a_bandwidth_for_every_kernel(tmp_path):
     out = tmp_path / "bandwidth.json"

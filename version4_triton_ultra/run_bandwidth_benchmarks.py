@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
-from tinytransformer.cli import OneLineParser, command_line, positive_int  # noqa: E402
+from tinytransformer.cli import OneLineParser, command_line, fail, positive_int, run_command  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu, interpreter_active  # noqa: E402
 
 enable_interpreter_if_no_gpu()  # without a GPU: Triton's interpreter, chosen before the kernels import triton
@@ -64,6 +64,7 @@ from version4_triton_ultra.kernels.qk_rotation import rotate_qk_  # noqa: E402
 from version4_triton_ultra.kernels.qk_rotation import shape_problem as rope_shape_problem  # noqa: E402
 from version4_triton_ultra.kernels.swiglu_elementwise import swiglu, swiglu_backward  # noqa: E402
 
+PROG = "run_bandwidth_benchmarks.py"
 EPS = 1e-6                      # the model's RMSNorm epsilon
 GOAL = 0.70                     # share of the data-sheet bandwidth a streaming kernel should reach
 GPU_WIDTHS, GPU_ROWS = (1024, 2048, 4096), 8192
@@ -219,8 +220,8 @@ def layer_shapes(w):
 
 
 def adamw_inputs(w, device):
-    # Weights of the model's initial size (a standard deviation of 0.02): next to them an update of about lr is
-    # still exact to float32's tolerance when the check takes their difference.
+    # Weights of the model's initial size (a standard deviation of 0.02): the check takes the update as the
+    # difference of two float32 weights, which then adds about 1e-6 of the update's size, not more.
     params = [(0.02 * torch.randn(shape, device=device)).requires_grad_() for shape in layer_shapes(w)]
     for param in params:
         param.grad = 1e-3 * torch.randn_like(param)
@@ -344,7 +345,7 @@ def width_list(text: str) -> list[int]:
 
 
 def parse_args(argv):
-    parser = OneLineParser(prog="run_bandwidth_benchmarks.py", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--hidden-sizes", metavar="D[,D]",
                         help=f"widths to measure [{','.join(map(str, GPU_WIDTHS))}; interpreter: "
                              f"{','.join(map(str, INTERPRETER_WIDTHS))}]")
@@ -386,6 +387,14 @@ def width_problem(width: Width) -> str | None:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return run_checks_and_timings(args, argv)
+    except torch.cuda.OutOfMemoryError:
+        return fail(PROG, "out of GPU memory: each width holds its kernels' inputs twice over (the timing's copies) "
+                          "and a float64 layer for the AdamW check; use fewer --rows or smaller --hidden-sizes")
+
+
+def run_checks_and_timings(args, argv) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     widths = [Width(args.rows, hidden, sequence_length(args.rows, 1024)) for hidden in args.widths]
     where = "Triton's CPU interpreter" if interpreter_active() else torch.cuda.get_device_name()
@@ -433,7 +442,7 @@ def write_report(args, argv, checks: list, rows: list, peak: float | None) -> No
     write_json(args.output_json, {
         "benchmark": "version 4's memory-bound kernels alone, in the training step's forms and dtypes (bfloat16 "
                      "autocast): achieved bandwidth at each width",
-        "command": "python version4_triton_ultra/" + command_line("run_bandwidth_benchmarks.py", argv),
+        "command": "python version4_triton_ultra/" + command_line(PROG, argv),
         "environment": software_and_gpu(), "triton_interpreter": interpreter_active(),
         "peak_bandwidth_tbs": peak, "goal_share_of_peak": GOAL,
         "method": f"graph of {LAUNCHES_PER_GRAPH} launches over enough input sets to hold 3x the L2 cache, the "
@@ -444,4 +453,4 @@ def write_report(args, argv, checks: list, rows: list, peak: float | None) -> No
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(PROG, main))   # Ctrl-C and a closed pipe end it quietly

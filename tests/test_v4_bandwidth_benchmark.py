@@ -1,6 +1,6 @@
-"""Version 4's bandwidth benchmark (run_bandwidth_benchmarks.py): its check passes on the real kernels and fails on a
-wrong one, its byte models count what the kernels move, and bad input is one line and exit 2. The timing itself
-runs on a GPU only (the last test)."""
+"""Version 4's bandwidth benchmark (run_bandwidth_benchmarks.py, its kernels in bandwidth_kernels.py): its check
+passes on the real kernels and fails on a wrong one, its byte models count what the kernels move, and bad input is
+one line and exit 2. The timing itself runs on a GPU only (the last test)."""
 import dataclasses
 import json
 import subprocess
@@ -11,21 +11,22 @@ import pytest
 import torch
 
 from tinytransformer.triton_support import interpreter_active
+from version4_triton_ultra import bandwidth_kernels as kernels
 from version4_triton_ultra import run_bandwidth_benchmarks as bench
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = "version4_triton_ultra/run_bandwidth_benchmarks.py"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-SMALL = bench.Width(rows=48, hidden=96, seq_len=16)   # 96: not a power of two, so the kernels' masks are used
+SMALL = kernels.Width(rows=48, hidden=96, seq_len=16)   # 96: not a power of two, so the kernels' masks are used
 
 
-@pytest.mark.parametrize("kernel", bench.KERNELS, ids=bench.KERNEL_NAMES)
+@pytest.mark.parametrize("kernel", kernels.KERNELS, ids=kernels.KERNEL_NAMES)
 def test_every_kernel_passes_its_check(kernel):
     error, tolerance = bench.worst_error(kernel, SMALL, DEVICE)
     assert error <= tolerance
 
 
-@pytest.mark.parametrize("kernel", bench.KERNELS, ids=bench.KERNEL_NAMES)
+@pytest.mark.parametrize("kernel", kernels.KERNELS, ids=kernels.KERNEL_NAMES)
 def test_a_wrong_kernel_fails_its_check(kernel):
     """The same kernel with the last column of its first output zeroed, as a mask one column short would leave
     it: the check must see it."""
@@ -46,8 +47,8 @@ def test_a_wrong_kernel_fails_its_check(kernel):
 
 
 def test_byte_models_count_the_tensors_each_kernel_reads_and_writes():
-    width = bench.Width(rows=8192, hidden=1024, seq_len=1024)
-    by_name = {k.name: k.bytes_moved(width) for k in bench.KERNELS}
+    width = kernels.Width(rows=8192, hidden=1024, seq_len=1024)
+    by_name = {k.name: k.bytes_moved(width) for k in kernels.KERNELS}
     n, d, f = 8192, 1024, 2816
     assert width.ffn == f and width.head_dim == 64
     assert by_name["norm_forward"] == n * d * (4 + 2 + 4 + 2) + 4 * n + 4 * d
@@ -60,10 +61,10 @@ def test_byte_models_count_the_tensors_each_kernel_reads_and_writes():
 
 
 def test_widths_take_the_presets_shapes():
-    assert (bench.Width(8192, 2048, 1024).ffn, bench.Width(8192, 2048, 1024).head_dim) == (5632, 128)
-    assert (bench.Width(8192, 4096, 1024).ffn, bench.Width(8192, 4096, 1024).head_dim) == (11264, 128)
-    assert bench.sequence_length(8192, 1024) == 1024 and bench.sequence_length(48, 1024) == 48
-    assert bench.sequence_length(1000, 64) == 50   # the longest that cuts the rows into whole sequences
+    assert (kernels.Width(8192, 2048, 1024).ffn, kernels.Width(8192, 2048, 1024).head_dim) == (5632, 128)
+    assert (kernels.Width(8192, 4096, 1024).ffn, kernels.Width(8192, 4096, 1024).head_dim) == (11264, 128)
+    assert kernels.sequence_length(8192, 1024) == 1024 and kernels.sequence_length(48, 1024) == 48
+    assert kernels.sequence_length(1000, 64) == 50   # the longest that cuts the rows into whole sequences
 
 
 @pytest.mark.parametrize("flags", [["--kernel", "normm"], ["--kernel", ","], ["--hidden-sizes", "64,x"],
@@ -104,7 +105,7 @@ def test_gpu_timing_gives_a_bandwidth_for_every_kernel(tmp_path):
     out = tmp_path / "bandwidth.json"
     assert bench.main(["--hidden-sizes", "1024", "--rows", "2048", "--rounds", "2", "--output-json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert [r["kernel"] for r in report["results"]] == bench.KERNEL_NAMES
+    assert [r["kernel"] for r in report["results"]] == kernels.KERNEL_NAMES
     for row in report["results"]:
         assert row["us"] > 0 and row["input_sets"] >= 2
         if report["peak_bandwidth_tbs"]:   # a kernel timed faster than the memory allows would be a timing bug

@@ -87,6 +87,7 @@ class StreamingKernel:
     bytes_moved: Callable[[Width], int]
     outputs: Callable[[dict], tuple] | None = None   # the outputs after run(), when run() returns none
     float32_tolerance: float = TOLERANCE[torch.float32]   # for its float32 outputs (the others: TOLERANCE)
+    after_capture: Callable[[dict], None] | None = None   # what an input set needs once a graph has captured run()
 
 
 def randn(shape, dtype, device, scale=1.0):
@@ -200,6 +201,10 @@ def adamw_run(x):
     x["optimizer"].step()
 
 
+def adamw_after_capture(x):
+    x["optimizer"].finish_capture()   # the addresses the capture recorded (kernels/adamw.py)
+
+
 def adamw_outputs(x):
     """What one step changed: each weight's update, both moments, the 16-bit copies."""
     state = [x["optimizer"].state[p] for p in x["params"]]
@@ -241,7 +246,7 @@ KERNELS = [
     # 1 - 0.999 is 6e-5 of it, half of that after the square root: 1.3e-5 in Triton's interpreter, 3.0e-5 on an H200,
     # at the first step.
     StreamingKernel("adamw", adamw_inputs, adamw_run, adamw_reference, adamw_bytes, outputs=adamw_outputs,
-                    float32_tolerance=1e-4),
+                    float32_tolerance=1e-4, after_capture=adamw_after_capture),
 ]
 KERNEL_NAMES = [k.name for k in KERNELS]
 

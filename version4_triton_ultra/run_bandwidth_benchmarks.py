@@ -21,6 +21,7 @@ the checks run in Triton's CPU interpreter at small sizes, and nothing is timed.
 """
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -73,11 +74,11 @@ def timed_graph(kernel: StreamingKernel, width: Width, device) -> tuple[torch.cu
     """A graph of LAUNCHES_PER_GRAPH launches taking turns on enough input sets to outgrow the L2 cache, and the
     input sets (to be kept as long as the graph that reads them)."""
     sets = [kernel.make_inputs(width, device) for _ in range(buffer_count(kernel.bytes_moved(width)))]
-    turn = iter(range(10**9))
+    turn = itertools.count()
     graph = captured_launches(lambda: kernel.run(sets[next(turn) % len(sets)]), LAUNCHES_PER_GRAPH)
-    for inputs in sets:
-        if "optimizer" in inputs:
-            inputs["optimizer"].finish_capture()   # the addresses the capture recorded (kernels/adamw.py)
+    if kernel.after_capture is not None:
+        for inputs in sets:
+            kernel.after_capture(inputs)
     return graph, sets
 
 
@@ -135,9 +136,10 @@ def parse_args(argv):
         parser.error(f"--hidden-sizes: {why}")
     args.rows = args.rows or (INTERPRETER_ROWS if interpreter else GPU_ROWS)
     wanted = KERNEL_NAMES if args.kernel is None else [n.strip() for n in args.kernel.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in KERNEL_NAMES] or ([] if wanted else ["(none)"])
-    if unknown:
-        parser.error(f"--kernel: unknown kernel {unknown[0]!r}; choose from {', '.join(KERNEL_NAMES)}")
+    unknown = [n for n in wanted if n not in KERNEL_NAMES]
+    if unknown or not wanted:
+        what = f"unknown kernel {unknown[0]!r}" if unknown else "no kernel named"
+        parser.error(f"--kernel: {what}; choose from {', '.join(KERNEL_NAMES)}")
     args.kernels = [k for k in KERNELS if k.name in wanted]
     if interpreter and (args.rows > INTERPRETER_LIMIT or max(args.widths) > INTERPRETER_LIMIT):
         parser.error(f"without a GPU the kernels run in Triton's CPU interpreter: keep --rows and --hidden-sizes "

@@ -91,6 +91,29 @@ def test_interpreter_run_refuses_sizes_that_would_take_hours_and_checks_small_on
     assert all(c["ok"] for c in report["checks"]) and report["results"] == []
 
 
+def test_timed_graph_takes_turns_on_its_input_sets_and_finishes_each_capture(monkeypatch):
+    """What the graph records, without a GPU: the launches cycle through the input sets, and every set's
+    after-capture hook (AdamW's finish_capture) runs once the capture is done."""
+    made, seen, finished = [], [], []
+
+    def make_inputs(width, device):
+        made.append({"id": len(made)})
+        return made[-1]
+    kernel = dataclasses.replace(kernels.KERNELS[0], make_inputs=make_inputs, run=lambda x: seen.append(x["id"]),
+                                 after_capture=lambda x: finished.append(x["id"]))
+
+    def capture(run, launches):
+        for _ in range(launches):
+            run()
+        return "graph"
+    monkeypatch.setattr(bench, "captured_launches", capture)
+    monkeypatch.setattr(bench, "buffer_count", lambda bytes_read: 3)
+    graph, sets = bench.timed_graph(kernel, SMALL, DEVICE)
+    assert graph == "graph" and [s["id"] for s in sets] == [0, 1, 2]
+    assert seen == [i % 3 for i in range(bench.LAUNCHES_PER_GRAPH)]
+    assert finished == [0, 1, 2]
+
+
 def test_out_of_gpu_memory_is_one_line_and_exit_2(monkeypatch, capsys):
     def out_of_memory(args, argv):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")

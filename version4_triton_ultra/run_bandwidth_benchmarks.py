@@ -35,6 +35,8 @@ from tinytransformer.triton_support import enable_interpreter_if_no_gpu, interpr
 enable_interpreter_if_no_gpu()  # without a GPU: Triton's interpreter, chosen before the kernels import triton
 
 from tinytransformer.device import peak_bandwidth_tbs, software_and_gpu  # noqa: E402
+from tinytransformer.config import ConfigError  # noqa: E402
+from tinytransformer.kernel_bench.cli import select_ops  # noqa: E402
 from tinytransformer.kernel_bench.correctness import TOLERANCE, relative_error  # noqa: E402
 from tinytransformer.kernel_bench.graph_timing import (buffer_count, captured_launches, graph_ms,  # noqa: E402
                                                        time_interleaved)
@@ -135,19 +137,19 @@ def parse_args(argv):
     except ValueError as why:
         parser.error(f"--hidden-sizes: {why}")
     args.rows = args.rows or (INTERPRETER_ROWS if interpreter else GPU_ROWS)
-    wanted = KERNEL_NAMES if args.kernel is None else [n.strip() for n in args.kernel.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in KERNEL_NAMES]
-    if unknown or not wanted:
-        what = f"unknown kernel {unknown[0]!r}" if unknown else "no kernel named"
-        parser.error(f"--kernel: {what}; choose from {', '.join(KERNEL_NAMES)}")
-    args.kernels = [k for k in KERNELS if k.name in wanted]
+    try:
+        chosen = {k.name for k in select_ops(KERNELS, args.kernel)}   # the kernel benchmark's --kernel rule
+    except ConfigError as why:
+        parser.error(str(why))
+    args.kernels = [k for k in KERNELS if k.name in chosen]   # in this file's order, whatever the flag's
     if interpreter and (args.rows > INTERPRETER_LIMIT or max(args.widths) > INTERPRETER_LIMIT):
         parser.error(f"without a GPU the kernels run in Triton's CPU interpreter: keep --rows and --hidden-sizes "
                      f"at most {INTERPRETER_LIMIT} (it would take hours otherwise)")
-    for hidden in args.widths:
-        problem = width_problem(Width(args.rows, hidden, sequence_length(args.rows, 1024)))
+    args.widths = [Width(args.rows, hidden, sequence_length(args.rows, 1024)) for hidden in args.widths]
+    for width in args.widths:
+        problem = width_problem(width)
         if problem:
-            parser.error(f"--hidden-sizes {hidden}: {problem}")
+            parser.error(f"--hidden-sizes {width.hidden}: {problem}")
     return args
 
 
@@ -162,12 +164,11 @@ def main(argv=None) -> int:
 
 def run_checks_and_timings(args, argv) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    widths = [Width(args.rows, hidden, sequence_length(args.rows, 1024)) for hidden in args.widths]
     where = "Triton's CPU interpreter" if interpreter_active() else torch.cuda.get_device_name()
     print(f"Check on {where}: each kernel's outputs against float64, the relative error of the one nearest its "
           "dtype's tolerance")
     checks, all_ok = [], True
-    for width in widths:
+    for width in args.widths:
         for kernel in args.kernels:
             error, tolerance = worst_error(kernel, width, device)
             ok = error <= tolerance   # NaN or inf never passes (relative_error makes them infinite)
@@ -186,7 +187,7 @@ def run_checks_and_timings(args, argv) -> int:
     peak = peak_bandwidth_tbs(torch.cuda.get_device_name())
     peak_text = f"{peak * 1000:,.0f} GB/s" if peak else "not in tinytransformer/device.py"
     rows = []
-    for width in widths:
+    for width in args.widths:
         print(f"\n{torch.cuda.get_device_name()}, {width.describe()}; us per launch (graph of "
               f"{LAUNCHES_PER_GRAPH}, median of {args.rounds} interleaved rounds); data sheet {peak_text}")
         print(f"  {'kernel':<16}{'us':>10}{'MB':>11}{'GB/s':>10}{'of peak':>9}")
@@ -213,7 +214,7 @@ def write_report(args, argv, checks: list, rows: list, peak: float | None) -> No
         "peak_bandwidth_tbs": peak, "goal_share_of_peak": GOAL,
         "method": f"graph of {LAUNCHES_PER_GRAPH} launches over enough input sets to hold 3x the L2 cache, the "
                   f"kernels of a width in {args.rounds} interleaved rounds, median; bytes from each kernel's byte "
-                  "model (run_bandwidth_benchmarks.py's docstring)",
+                  "model (bandwidth_kernels.py's docstring)",
         "checks": checks, "results": rows})
     print(f"results: {args.output_json}")
 

@@ -41,6 +41,11 @@ def size_flags(args, config: tuple) -> list[str]:
     return flags + list(args.extra)
 
 
+# Steps each run records for its kernels/step (unless --no-profile); they, and the profiler's wait and warm-up step
+# before them, are not timed (tinytransformer/training/tools.py: profiler_window).
+PROFILE_STEPS = 2
+
+
 def variant_command(label: str, args, config: tuple, json_path: Path, out_dir: Path) -> list[str]:
     script, extra = VARIANTS[label]
     command = [sys.executable, str(REPO_ROOT / SCRIPTS[script]),
@@ -49,7 +54,7 @@ def variant_command(label: str, args, config: tuple, json_path: Path, out_dir: P
     if script == "v4" and args.cublas_workspace == "default":
         command += ["--cublas-workspace", "default"]   # version 4's own default is none (compare_versions.py)
     if args.profile:
-        command += ["--enable-pytorch-profiler", "--profile-steps", "2",
+        command += ["--enable-pytorch-profiler", "--profile-steps", str(PROFILE_STEPS),
                     "--profile-dir", str(out_dir / f"prof_{label}")]
     return command + size_flags(args, config)
 
@@ -74,6 +79,7 @@ def run_variant(label, args, config: tuple, out_dir: Path) -> dict:
         "samples_per_s": metrics["throughput"]["samples_per_s"],
         "tokens_per_s": metrics["throughput"]["tokens_per_s"],
         "median_step_ms": metrics["timing"]["median_ms"],
+        "timed_steps": metrics["timing"].get("count"),   # after warm-up, less the profiled window
         "p10_step_ms": metrics["timing"]["p10_ms"],
         "p90_step_ms": metrics["timing"]["p90_ms"],
         "mfu": metrics["throughput"]["mfu"],

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from comparison_rows import add_speedups
+from comparison_rows import PROFILE_STEPS, add_speedups
 from scaling_table import scaling_table
 from table_format import fmt
 
@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO_ROOT))  # the shared harness: the FLOP count of a tr
 
 from tinytransformer import flops  # noqa: E402
 from tinytransformer.config import ModelConfig  # noqa: E402
+from tinytransformer.training.tools import profiler_window  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 README = REPO_ROOT / "README.md"
@@ -43,6 +44,21 @@ VERSION_READMES = {
     "v3": REPO_ROOT / "version3_triton" / "README.md",
     "v4": REPO_ROOT / "version4_triton_ultra" / "README.md",
 }
+
+
+def timed_steps(results: dict) -> int:
+    """The steps each row's median is taken over: the run's steps after warm-up, less its profiled window (the
+    profiler's wait, warm-up and recorded steps are not timed) unless every command said --no-profile. Rows that
+    recorded their own count give it; files from before they did are counted from their settings."""
+    counts = {r.get("timed_steps") for r in results["rows"] if "error" not in r}
+    if len(counts) == 1 and None not in counts:
+        return counts.pop()
+    commands = [part["command"] for part in results.get("parts", [])] or [results["command"]]
+    steps = results["num_steps"] - results["warmup_steps"]
+    if not all("--no-profile" in command.split() for command in commands):
+        _, wait, warm, active = profiler_window(results["num_steps"], results["warmup_steps"], PROFILE_STEPS)
+        steps -= wait + warm + active
+    return steps
 
 
 def repeats_text(results: dict) -> str:
@@ -65,7 +81,7 @@ def render(results: dict, name: str) -> str:
     first = rows[0]
     lines = [f"**{env.get('gpu', 'CPU')}** ({env.get('backend', 'CPU')}, torch {env['torch']}, "
              f"triton {env.get('triton')}), batch {first['batch_size']}, seq {first['seq_len']}, "
-             f"{results['dtype']}, median of {results['num_steps'] - results['warmup_steps']} steps"
+             f"{results['dtype']}, median of {timed_steps(results)} steps"
              f"{repeats_text(results)} (`benchmarks/results/{name}`):", "",
              "| version | samples/s | step (ms) | vs v1 | peak memory (MiB) | kernels/step | final loss |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -89,7 +105,7 @@ def render_sweep(results: dict, name: str) -> str:
     cells = {(r["batch_size"], r["seq_len"], r["variant"]): r.get("samples_per_s") for r in results["rows"]}
     configs = sorted({(r["batch_size"], r["seq_len"]) for r in results["rows"]}, key=lambda c: (c[1], c[0]))
     lines = [f"Sweep, **{env.get('gpu', 'CPU')}**, {results['dtype']}, samples/s (median of "
-             f"{results['num_steps'] - results['warmup_steps']} steps; `benchmarks/results/{name}`):", "",
+             f"{timed_steps(results)} steps; `benchmarks/results/{name}`):", "",
              "| batch | seq | " + " | ".join(variants) + " |", "|---:|---:|" + "---:|" * len(variants)]
     for batch, seq in configs:
         lines.append(f"| {batch} | {seq} | " + " | ".join(fmt(cells.get((batch, seq, v)), ",.0f") for v in variants) + " |")
@@ -104,7 +120,7 @@ def render_presets(results: dict, name: str) -> str:
     batch and sequence length, with MFU and each row's speed against the fastest OTHER row of that preset."""
     env = results["environment"]
     presets = list(dict.fromkeys(r["preset"] for r in results["rows"]))
-    steps = results["num_steps"] - results["warmup_steps"]
+    steps = timed_steps(results)
     parts = [f"Size presets, **{env.get('gpu', 'CPU')}** ({env.get('backend', 'CPU')}, torch {env['torch']}, "
              f"triton {env.get('triton')}), {results['dtype']}, median of {steps} steps{repeats_text(results)} "
              f"(`benchmarks/results/{name}`):"]

@@ -15,8 +15,8 @@ measures them. The joined file keeps every part's commands, notes and loss-agree
 every single run (`runs`) next to the median rows.
 
 Refused with one line and exit 2: a file that cannot be read or is not compare_versions results, parts with
-different dtype, step counts or repeats (their rows would not be comparable), parts measured on different GPU
-models or software versions, two parts holding the same preset, and an output that cannot be written.
+different dtype, step counts, repeats or profiled windows (their rows would not be comparable), parts measured on
+different GPU models or software versions, two parts holding the same preset, and an output that cannot be written.
 """
 from __future__ import annotations
 
@@ -60,6 +60,11 @@ def presets_of(part: dict) -> list[str]:
     return list(dict.fromkeys(row["preset"] for row in part["rows"]))
 
 
+def profiled(part: dict) -> bool:
+    """Whether the part's runs had compare_versions.py's profiled window (no --no-profile)."""
+    return "--no-profile" not in part["command"].split()
+
+
 def check_parts(paths: list[str], parts: list[dict]) -> None:
     """Every part measured like the first, on the same kind of machine, and no preset twice."""
     first, seen = parts[0], {}
@@ -67,6 +72,9 @@ def check_parts(paths: list[str], parts: list[dict]) -> None:
         for key in SETTINGS:
             if part[key] != first[key]:
                 raise ConfigError(f"{path}: {key} is {part[key]}, {paths[0]} has {first[key]}: not comparable")
+        if profiled(part) != profiled(first):   # the profiled window is not timed: other steps
+            raise ConfigError(f"{path}: {'with' if profiled(part) else 'without'} the profiled window, {paths[0]} "
+                              f"{'with' if profiled(first) else 'without'} it: timed over other steps")
         for key in SOFTWARE:
             if part["environment"].get(key) != first["environment"].get(key):
                 raise ConfigError(f"{path}: measured with {key} {part['environment'].get(key)}, {paths[0]} with "

@@ -121,6 +121,7 @@ def test_compare_versions_runs_on_cpu_and_checks_agreement(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["v1", "v2"]
+    assert [r["timed_steps"] for r in rows] == [2, 2]   # 3 steps, 1 of warm-up, no profiled window
     assert rows[0]["first_loss"] == rows[1]["first_loss"] or abs(rows[0]["first_loss"] - rows[1]["first_loss"]) < 1e-4
     assert "loss agreement with v1: ok" in result.stdout
 
@@ -198,6 +199,27 @@ def test_median_run_of_three_and_a_failed_repeat():
     assert v1["repeats_samples_per_s"] == [300.0, 100.0, 200.0] and "repeat" not in v1
     assert v3["error"] == "boom" and "repeat" not in v3   # one failure in three: the variant is not measured
     assert all("repeat" in r for r in runs), "the list of runs must stay as it was"
+
+
+def test_table_headers_count_the_steps_each_median_was_taken_over():
+    """The steps after warm-up less the profiled window, which a run does not time: what the rows recorded, or,
+    in files from before they recorded it, what their settings give."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from make_readme_table import timed_steps
+    profiled = {"command": "python benchmarks/compare_versions.py --num-steps 200 --warmup-steps 30",
+                "num_steps": 200, "warmup_steps": 30, "rows": [{"variant": "v1"}, {"variant": "v4"}]}
+    assert timed_steps(profiled) == 166   # the profiler's wait, warm-up and 2 recorded steps
+    unprofiled = {**profiled, "command": profiled["command"] + " --no-profile"}
+    assert timed_steps(unprofiled) == 170
+    recorded = {**profiled, "rows": [{"variant": "v1", "timed_steps": 150}, {"variant": "v4", "timed_steps": 150},
+                                     {"variant": "v3", "error": "boom"}]}
+    assert timed_steps(recorded) == 150
+    # A joined file's own command is merge_presets.py's: its parts' commands say whether they were profiled.
+    merged = {**unprofiled, "command": "python benchmarks/merge_presets.py a.json b.json",
+              "parts": [{"command": profiled["command"]}, {"command": profiled["command"]}]}
+    assert timed_steps(merged) == 166
+    merged["parts"] = [{"command": unprofiled["command"]}] * 2
+    assert timed_steps(merged) == 170
 
 
 def test_repeats_must_be_positive():

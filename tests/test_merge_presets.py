@@ -95,6 +95,8 @@ def test_a_note_every_part_carries_is_written_once(tmp_path):
     ({"repeats": 1}, "repeats is 1"),
     ({"dtype": "float32"}, "dtype is float32"),
     ({"num_steps": 60}, "num_steps is 60"),
+    ({"command": "python benchmarks/compare_versions.py --preset small --no-profile"},
+     "without the profiled window, "),
     ({"environment": {**ENVIRONMENT, "gpu": "NVIDIA H200"}}, "measured with gpu NVIDIA H200"),
     ({"environment": {**ENVIRONMENT, "torch": "2.12.0"}}, "measured with torch 2.12.0"),
 ])

@@ -179,7 +179,7 @@ def parse_args(argv):
 
 
 # The settings a resumed run must share with the file it continues, or its rows would not be comparable.
-RESUME_KEYS = ("preset", "dtype", "num_steps", "warmup_steps", "repeats", "cublas_workspace_config")
+RESUME_KEYS = ("preset", "dtype", "num_steps", "warmup_steps", "repeats", "profile", "cublas_workspace_config")
 
 
 def earlier_rows(args, parser_error) -> tuple[list, list]:
@@ -193,6 +193,8 @@ def earlier_rows(args, parser_error) -> tuple[list, list]:
         earlier.setdefault("repeats", 1)   # files written before --repeats existed
         earlier.setdefault("preset", None)   # ... and before --preset
         earlier.setdefault("cublas_workspace_config", None)   # ... and before --cublas-workspace (cuBLAS's default)
+        # ... and before the file said whether its runs had the profiled window (which is not timed)
+        earlier.setdefault("profile", "--no-profile" not in str(earlier.get("command", "")).split())
         mismatched = [k for k in RESUME_KEYS if earlier[k] != getattr(args, k)]
         rows = [r for r in earlier.get("runs", earlier["rows"]) if "error" not in r]
         commands = [earlier["command"], *earlier.get("resumed_by", [])]
@@ -227,7 +229,7 @@ def main(argv=None) -> int:
     from tinytransformer.device import software_and_gpu   # imports torch: only once the flags are checked
     results = {"command": commands[0] if commands else command, "environment": software_and_gpu(),
                "preset": args.preset, "dtype": args.dtype, "num_steps": args.num_steps,
-               "warmup_steps": args.warmup_steps, "repeats": args.repeats,
+               "warmup_steps": args.warmup_steps, "repeats": args.repeats, "profile": args.profile,
                "cublas_workspace": args.cublas_workspace,
                "cublas_workspace_config": args.cublas_workspace_config,
                "rows": rows_of(runs, args.repeats)}

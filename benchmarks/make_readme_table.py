@@ -55,7 +55,7 @@ def timed_steps(results: dict) -> int:
         return counts.pop()
     commands = [part["command"] for part in results.get("parts", [])] or [results["command"]]
     steps = results["num_steps"] - results["warmup_steps"]
-    if not all("--no-profile" in command.split() for command in commands):
+    if results.get("profile", not all("--no-profile" in command.split() for command in commands)):
         _, wait, warm, active = profiler_window(results["num_steps"], results["warmup_steps"], PROFILE_STEPS)
         steps -= wait + warm + active
     return steps

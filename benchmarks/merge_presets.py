@@ -62,7 +62,7 @@ def presets_of(part: dict) -> list[str]:
 
 def profiled(part: dict) -> bool:
     """Whether the part's runs had compare_versions.py's profiled window (no --no-profile)."""
-    return "--no-profile" not in part["command"].split()
+    return part.get("profile", "--no-profile" not in part["command"].split())
 
 
 def check_parts(paths: list[str], parts: list[dict]) -> None:
@@ -97,7 +97,7 @@ def merged(paths: list[str], parts: list[dict], command: str) -> dict:
     first = parts[0]
     result = {"command": command, "environment": first["environment"],
               "preset": ",".join(p for part in parts for p in presets_of(part)),
-              **{key: first[key] for key in SETTINGS},
+              **{key: first[key] for key in SETTINGS}, "profile": profiled(first),
               "rows": [row for part in parts for row in part["rows"]],
               "parts": [describe_part(path, part) for path, part in zip(paths, parts)]}
     if any("runs" in part for part in parts):

@@ -164,6 +164,11 @@ def test_resume_refuses_a_file_measured_differently(tmp_path):
     # A file from before --cublas-workspace was measured with cuBLAS's own workspace: not continued without one.
     out.write_text(json.dumps({"command": "python benchmarks/compare_versions.py", "dtype": "float32",
                                "num_steps": 3, "warmup_steps": 1, "rows": []}))
+    # Runs with the profiled window were timed over fewer steps: not continued without it, nor the other way.
+    out.write_text(json.dumps({"command": "python benchmarks/compare_versions.py --no-profile", "dtype": "float32",
+                               "num_steps": 3, "warmup_steps": 1, "rows": [], "profile": True}))
+    result = compare("--variants", "v1", "--output", str(out), "--resume", *TINY_MODEL)
+    assert result.returncode == 2 and "profile (True there, False here)" in result.stderr
     if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:   # one exported here would be what "none" gives every run
         result = compare("--variants", "v1", "--output", str(out), "--resume", *TINY_MODEL)
         assert result.returncode == 2 and "cublas_workspace_config (None there, :0:0 here)" in result.stderr
@@ -220,6 +225,7 @@ def test_table_headers_count_the_steps_each_median_was_taken_over():
     assert timed_steps(merged) == 166
     merged["parts"] = [{"command": unprofiled["command"]}] * 2
     assert timed_steps(merged) == 170
+    assert timed_steps({**unprofiled, "profile": True}) == 166   # what the file says wins over its command
 
 
 def test_repeats_must_be_positive():

@@ -47,7 +47,7 @@ import tempfile
 from pathlib import Path
 
 from comparison_rows import (add_speedups, check_agreement, config_label, config_of, plot, rows_of, run_variant,
-                             size_flags, table)
+                             size_flags, table, was_profiled)
 from training_runs import REPO_ROOT, triton_shape_problem
 from variants import VARIANTS, default_variants
 
@@ -194,7 +194,7 @@ def earlier_rows(args, parser_error) -> tuple[list, list]:
         earlier.setdefault("preset", None)   # ... and before --preset
         earlier.setdefault("cublas_workspace_config", None)   # ... and before --cublas-workspace (cuBLAS's default)
         # ... and before the file said whether its runs had the profiled window (which is not timed)
-        earlier.setdefault("profile", "--no-profile" not in str(earlier.get("command", "")).split())
+        earlier["profile"] = was_profiled(earlier)
         mismatched = [k for k in RESUME_KEYS if earlier[k] != getattr(args, k)]
         rows = [r for r in earlier.get("runs", earlier["rows"]) if "error" not in r]
         commands = [earlier["command"], *earlier.get("resumed_by", [])]

@@ -46,6 +46,16 @@ def size_flags(args, config: tuple) -> list[str]:
 PROFILE_STEPS = 2
 
 
+def was_profiled(results: dict) -> bool:
+    """Whether a results file's runs had the profiled window: what the file says, or, in files from before it said
+    so, its command (a file joined by merge_presets.py: whether any of its parts' commands had it)."""
+    if "profile" in results:
+        return results["profile"]
+    if results.get("parts"):
+        return any(was_profiled(part) for part in results["parts"])
+    return "--no-profile" not in str(results.get("command", "")).split()
+
+
 def variant_command(label: str, args, config: tuple, json_path: Path, out_dir: Path) -> list[str]:
     script, extra = VARIANTS[label]
     command = [sys.executable, str(REPO_ROOT / SCRIPTS[script]),

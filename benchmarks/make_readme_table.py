@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from comparison_rows import PROFILE_STEPS, add_speedups
+from comparison_rows import PROFILE_STEPS, add_speedups, was_profiled
 from scaling_table import scaling_table
 from table_format import fmt
 
@@ -48,14 +48,13 @@ VERSION_READMES = {
 
 def timed_steps(results: dict) -> int:
     """The steps each row's median is taken over: the run's steps after warm-up, less its profiled window (the
-    profiler's wait, warm-up and recorded steps are not timed) unless every command said --no-profile. Rows that
-    recorded their own count give it; files from before they did are counted from their settings."""
+    profiler's wait, warm-up and recorded steps are not timed) if it had one. Rows that recorded their own count
+    give it; files from before they did are counted from their settings."""
     counts = {r.get("timed_steps") for r in results["rows"] if "error" not in r}
     if len(counts) == 1 and None not in counts:
         return counts.pop()
-    commands = [part["command"] for part in results.get("parts", [])] or [results["command"]]
     steps = results["num_steps"] - results["warmup_steps"]
-    if results.get("profile", not all("--no-profile" in command.split() for command in commands)):
+    if was_profiled(results):
         _, wait, warm, active = profiler_window(results["num_steps"], results["warmup_steps"], PROFILE_STEPS)
         steps -= wait + warm + active
     return steps

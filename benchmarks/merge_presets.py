@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the shared harness
 
+from comparison_rows import was_profiled  # noqa: E402  (this script's folder is on the path when it runs)
 from tinytransformer.cli import OneLineParser, fail  # noqa: E402
 from tinytransformer.config import ConfigError  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
@@ -60,11 +61,6 @@ def presets_of(part: dict) -> list[str]:
     return list(dict.fromkeys(row["preset"] for row in part["rows"]))
 
 
-def profiled(part: dict) -> bool:
-    """Whether the part's runs had compare_versions.py's profiled window (no --no-profile)."""
-    return part.get("profile", "--no-profile" not in part["command"].split())
-
-
 def check_parts(paths: list[str], parts: list[dict]) -> None:
     """Every part measured like the first, on the same kind of machine, and no preset twice."""
     first, seen = parts[0], {}
@@ -72,9 +68,10 @@ def check_parts(paths: list[str], parts: list[dict]) -> None:
         for key in SETTINGS:
             if part[key] != first[key]:
                 raise ConfigError(f"{path}: {key} is {part[key]}, {paths[0]} has {first[key]}: not comparable")
-        if profiled(part) != profiled(first):   # the profiled window is not timed: other steps
-            raise ConfigError(f"{path}: {'with' if profiled(part) else 'without'} the profiled window, {paths[0]} "
-                              f"{'with' if profiled(first) else 'without'} it: timed over other steps")
+        if was_profiled(part) != was_profiled(first):   # the profiled window is not timed: other steps
+            window = {True: "with", False: "without"}
+            raise ConfigError(f"{path}: {window[was_profiled(part)]} the profiled window, {paths[0]} "
+                              f"{window[was_profiled(first)]} it: timed over other steps")
         for key in SOFTWARE:
             if part["environment"].get(key) != first["environment"].get(key):
                 raise ConfigError(f"{path}: measured with {key} {part['environment'].get(key)}, {paths[0]} with "
@@ -97,7 +94,7 @@ def merged(paths: list[str], parts: list[dict], command: str) -> dict:
     first = parts[0]
     result = {"command": command, "environment": first["environment"],
               "preset": ",".join(p for part in parts for p in presets_of(part)),
-              **{key: first[key] for key in SETTINGS}, "profile": profiled(first),
+              **{key: first[key] for key in SETTINGS}, "profile": was_profiled(first),
               "rows": [row for part in parts for row in part["rows"]],
               "parts": [describe_part(path, part) for path, part in zip(paths, parts)]}
     if any("runs" in part for part in parts):

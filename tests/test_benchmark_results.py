@@ -164,14 +164,14 @@ def test_resume_refuses_a_file_measured_differently(tmp_path):
     # A file from before --cublas-workspace was measured with cuBLAS's own workspace: not continued without one.
     out.write_text(json.dumps({"command": "python benchmarks/compare_versions.py", "dtype": "float32",
                                "num_steps": 3, "warmup_steps": 1, "rows": []}))
+    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:   # one exported here would be what "none" gives every run
+        result = compare("--variants", "v1", "--output", str(out), "--resume", *TINY_MODEL)
+        assert result.returncode == 2 and "cublas_workspace_config (None there, :0:0 here)" in result.stderr
     # Runs with the profiled window were timed over fewer steps: not continued without it, nor the other way.
     out.write_text(json.dumps({"command": "python benchmarks/compare_versions.py --no-profile", "dtype": "float32",
                                "num_steps": 3, "warmup_steps": 1, "rows": [], "profile": True}))
     result = compare("--variants", "v1", "--output", str(out), "--resume", *TINY_MODEL)
     assert result.returncode == 2 and "profile (True there, False here)" in result.stderr
-    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:   # one exported here would be what "none" gives every run
-        result = compare("--variants", "v1", "--output", str(out), "--resume", *TINY_MODEL)
-        assert result.returncode == 2 and "cublas_workspace_config (None there, :0:0 here)" in result.stderr
 
 
 def test_repeats_run_in_rounds_and_report_the_median_run(tmp_path):

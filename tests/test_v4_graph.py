@@ -122,10 +122,32 @@ def test_compare_step_forms_starts_each_round_with_the_next_form(monkeypatch):
     from types import SimpleNamespace
     from version4_triton_ultra.compare_step_forms import time_forms
     timed = fake_steps(monkeypatch)
-    forms = {name: SimpleNamespace(form=name) for name in ("a", "b", "c")}
+    forms = {name: SimpleNamespace(form=name, programmatic_launch=True) for name in ("a", "b", "c")}
     times = time_forms(forms, rounds=4, steps=5)
     assert timed[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]   # after 3 warm-ups
     assert all(len(rounds) == 4 for rounds in times.values())
+
+
+def test_compare_step_forms_captures_each_form_with_its_own_launches(monkeypatch):
+    """The launch setting is process-wide and a graph keeps what it captured: each form's step must be warmed up
+    and captured with its own setting, whatever the form built last set."""
+    from types import SimpleNamespace
+    from version4_triton_ultra.compare_step_forms import time_forms
+    from version4_triton_ultra.kernels import programmatic_launch
+    fake_steps(monkeypatch)
+    captured = {}
+
+    def first_call_captures(step, inputs, targets, steps):
+        captured.setdefault(step, programmatic_launch.programmatic_launch_enabled())
+        return 1.0
+    monkeypatch.setattr("version4_triton_ultra.profile_graphed_step.median_step_ms", first_call_captures)
+    forms = {"as-is": SimpleNamespace(form="as-is", programmatic_launch=True),
+             "no-programmatic-launch": SimpleNamespace(form="no-programmatic-launch", programmatic_launch=False)}
+    try:
+        time_forms(forms, rounds=1, steps=5)
+    finally:
+        programmatic_launch.set_programmatic_launch(True)
+    assert captured == {"as-is": True, "no-programmatic-launch": False}
 
 
 def test_compare_step_forms_out_of_memory_is_one_line(monkeypatch):

@@ -93,6 +93,11 @@ def use_known_gpu(gpu: KnownGpu | None) -> None:
     _known_gpu = gpu
 
 
+def known_gpu() -> KnownGpu | None:
+    """The GPU chosen with `use_known_gpu`, or None when launch configurations are those of this process's GPU."""
+    return _known_gpu
+
+
 def is_gpu(device: torch.device) -> bool:
     """True for a GPU tensor's device; with a known GPU chosen, also for meta tensors, which stand in for it."""
     return device.type == "cuda" or (_known_gpu is not None and device.type == "meta")

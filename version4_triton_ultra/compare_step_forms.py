@@ -46,6 +46,7 @@ FORMS = {
     "torch-adamw": ["--torch-adamw"],                     # torch's fused AdamW + a separate bfloat16 weight copy
     "no-weight-grad-stream": ["--no-weight-grad-stream"],   # the weight-gradient GEMMs on the main stream
     "equal-stream-priority": ["--equal-stream-priority"],   # the main stream not above the second stream
+    "no-programmatic-launch": ["--no-programmatic-launch"],   # each Triton kernel starts after the last one ends
 }
 
 
@@ -81,7 +82,8 @@ def time_forms(form_args: dict, rounds: int, steps: int) -> dict:
     from version4_triton_ultra import profile_graphed_step
     try:
         built = {form: profile_graphed_step.build_step(args) for form, args in form_args.items()}
-        for step, inputs, targets in built.values():
+        for form, (step, inputs, targets) in built.items():
+            profile_graphed_step.use_launches_of(form_args[form])   # the graph keeps the launches it captures
             profile_graphed_step.median_step_ms(step, inputs, targets, steps=1)   # warm-up replays and the capture
     except torch.cuda.OutOfMemoryError:
         raise ConfigError(f"the GPU's memory does not hold {len(form_args)} forms of this step at once (each keeps "

@@ -12,6 +12,7 @@
     python profile_graphed_step.py --use-amp --torch-adamw          (torch's fused AdamW + a separate weight copy)
     python profile_graphed_step.py --use-amp --preset large --triton-attention   (our attention, not cuDNN's)
     python profile_graphed_step.py --use-amp --cublas-workspace default   (a memset before many of cuBLAS's GEMMs)
+    python profile_graphed_step.py --use-amp --no-programmatic-launch   (each Triton kernel after the last completes)
 
 The training script (tiny_llama_v4.py) times the whole loop: the graph replay plus the copy of each batch into
 the graph's input buffers. This script builds the same model and the same GraphedStep, replays it on one fixed
@@ -100,7 +101,8 @@ def parse_args(argv, prog: str = "profile_graphed_step.py"):
     """The flags, checked: prog names the script in the one-line errors (compare_step_forms.py parses its forms'
     steps here under its own name)."""
     # The training script's switches between each fusion and the form it replaces.
-    from version4_triton_ultra.tiny_llama_v4 import add_attention_arguments, add_rope_arguments, add_swiglu_arguments
+    from version4_triton_ultra.tiny_llama_v4 import (add_attention_arguments, add_launch_arguments, add_rope_arguments,
+                                                     add_swiglu_arguments)
     parser = OneLineParser(prog=prog,
                            description="Median time and kernel table of version 4's graph-captured step.")
     parser.add_argument("--preset", choices=available_presets(),
@@ -116,6 +118,7 @@ def parse_args(argv, prog: str = "profile_graphed_step.py"):
     add_rope_arguments(parser)
     add_swiglu_arguments(parser)
     add_attention_arguments(parser)
+    add_launch_arguments(parser)
     parser.add_argument("--torch-adamw", action="store_true",
                         help="torch.optim.AdamW(fused=True) and a separate bfloat16 weight copy (default: version "
                              "4's Triton AdamW, which writes the copies)")
@@ -181,12 +184,20 @@ def build_step(args):
     model.use_separate_rope(args.separate_rope)
     model.use_separate_swiglu(args.separate_swiglu)
     model.use_vendor_attention(args.vendor_attention)
+    use_launches_of(args)
     model.cuda()
     step = graphed_step.GraphedStep(model, model.configure_optimizer(train), torch.device("cuda"), train,
                                     weight_gradient_stream=args.weight_grad_stream,
                                     main_stream_first=not args.equal_stream_priority)
     tokens = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len + 1), device="cuda")
     return step, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def use_launches_of(args) -> None:
+    """Launch the Triton kernels as args say (--no-programmatic-launch). A process-wide setting that a CUDA graph
+    records as it captures: compare_step_forms.py sets it again before capturing each form's step."""
+    from version4_triton_ultra.kernels.programmatic_launch import set_programmatic_launch
+    set_programmatic_launch(args.programmatic_launch)
 
 
 def median_step_ms(step, inputs, targets, steps: int) -> float:

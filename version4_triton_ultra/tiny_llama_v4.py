@@ -50,7 +50,9 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      first norm, which do not need it. Under torchrun the step also averages the gradients over the ranks with
      all-reduces captured in the graph, instead of the DDP wrapper
      (tinytransformer/gradient_sync.py): each layer's start on the second stream as soon as the backward pass
-     has queued its weight gradients, beside the backward pass of the layers below.
+     has queued its weight gradients, beside the backward pass of the layers below. On Hopper and later NVIDIA
+     GPUs each Triton kernel may be launched before the kernel before it has completed, and waits for it first
+     (kernels/programmatic_launch.py; --no-programmatic-launch to compare).
  10. TF32 tensor cores for float32 matmuls (--no-tf32 for exact float32): the same precision Triton already
      uses for float32 tl.dot.
 
@@ -97,6 +99,7 @@ from version4_triton_ultra.kernels.adamw import TritonAdamW  # noqa: E402
 from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm, embedding_rms_norm  # noqa: E402
 from version4_triton_ultra.kernels.flash_attention import flash_attention_packed  # noqa: E402
 from version4_triton_ultra.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+from version4_triton_ultra.kernels.programmatic_launch import set_programmatic_launch  # noqa: E402
 
 
 class Projection(nn.Linear):
@@ -468,6 +471,7 @@ def add_arguments(group):
     add_rope_arguments(group)
     add_swiglu_arguments(group)
     add_attention_arguments(group)
+    add_launch_arguments(group)
     group.add_argument("--torch-adamw", action="store_true",
                        help="update the weights with torch.optim.AdamW(fused=True) and copy the bfloat16 weights "
                             "in a kernel of their own, instead of version 4's Triton AdamW (to compare)")
@@ -508,6 +512,14 @@ def add_attention_arguments(parser):
     attention.add_argument("--triton-attention", dest="vendor_attention", action="store_const", const=False,
                            help="at every size, version 4's Triton flash-attention kernels (default: chosen by GPU "
                                 "and head dim, these below head dim 128 and off Hopper)")
+
+
+def add_launch_arguments(parser):
+    """How version 4's Triton kernels are launched (also profile_graphed_step.py's)."""
+    parser.add_argument("--no-programmatic-launch", dest="programmatic_launch", action="store_false", default=True,
+                        help="launch every Triton kernel only once the kernel before it has finished (default on "
+                             "Hopper and later NVIDIA GPUs: it may start while that kernel finishes, "
+                             "kernels/programmatic_launch.py; to compare)")
 
 
 def add_swiglu_arguments(parser):
@@ -642,6 +654,7 @@ def build_model(config, args):
     model.use_separate_rope(args.separate_rope)
     model.use_separate_swiglu(args.separate_swiglu)
     model.use_vendor_attention(getattr(args, "vendor_attention", None))   # callers' own Namespaces may lack it
+    set_programmatic_launch(getattr(args, "programmatic_launch", True))   # every launch of this process
     return model
 
 

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from tinytransformer.triton_support import interpreter_active, small_interpreter_blocks
 from version4_triton_ultra.kernels.add_rmsnorm import is_last_to_arrive
+from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
 
 # Elements per program, and warps: 4 elements per thread on NVIDIA (32-thread warps), 2 on AMD CDNA (64-thread
 # wavefronts; not tuned there). Small programs stream best: on an H200, the whole update alone (tune_adamw.py;
@@ -81,7 +82,9 @@ def _adamw_kernel(
     LR_IN_MEMORY: tl.constexpr,
     COPY_DTYPE: tl.constexpr,   # the copies' dtype (all copies share one)
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
+    wait_for_previous_kernel(PDL)
     block = tl.program_id(0)
     tensor = tl.load(block_tensor_ptr + block)
     offsets = tl.load(block_start_ptr + block) + tl.arange(0, BLOCK)
@@ -259,7 +262,7 @@ class TritonAdamW(torch.optim.Optimizer):
             0.0 if lr_in_memory else float(lr), lr if lr_in_memory else tables["numel"],
             float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
             LR_IN_MEMORY=lr_in_memory, COPY_DTYPE=tables["copy_dtype"], BLOCK=tables["block"],
-            num_warps=tables["num_warps"])
+            num_warps=tables["num_warps"], **launch_options(tables["numel"].device))
 
 
 def launch_for(group_elements: int) -> tuple:

@@ -56,6 +56,7 @@ from tinytransformer.triton_support import (interpreter_active, interpreter_bloc
                                             threads_per_warp)
 from version4_triton_ultra.kernels.embedding_backward import (embedding_backward, embedding_backward_in_order,
                                                             embedding_lookup, token_order)
+from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
 
 # One program holds a whole row in registers; beyond this many features it would spill.
 MAX_FEATURES = 8192
@@ -120,7 +121,9 @@ def _add_rms_norm_forward_kernel(
     GATHER: tl.constexpr,                     # residual row r is row ids[r] of a table (an embedding lookup)
     BLOCK_D: tl.constexpr,                    # power of two >= n_features: the whole row in one block
     BLOCK_ROWS: tl.constexpr,                 # rows per program: a [BLOCK_ROWS, BLOCK_D] tile
+    PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
+    wait_for_previous_kernel(PDL)
     # int64 rows: row * D can exceed 2^31 elements for long sequences and wide models.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
@@ -178,7 +181,9 @@ def _add_rms_norm_backward_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,                 # rows handled together: a [BLOCK_ROWS, BLOCK_D] tile per iteration
     PREFETCH: tl.constexpr,                   # load the next tile before computing this one (see the loop)
+    PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
+    wait_for_previous_kernel(PDL)
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < n_features
@@ -489,7 +494,7 @@ def _rms_norm_forward(x, delta, weight, eps, stream_dtype, normed_dtype, ids=Non
         _add_rms_norm_forward_kernel[(triton.cdiv(n_rows, block_rows),)](
             x, delta if has_delta else x, weight, ids if gather else x, new_residual if writes_residual else x,
             normed, rstd, n_rows, n_features, x.shape[0], eps, HAS_DELTA=has_delta, GATHER=gather, BLOCK_D=block_d,
-            BLOCK_ROWS=block_rows, num_warps=num_warps)
+            BLOCK_ROWS=block_rows, num_warps=num_warps, **launch_options(x.device))
     return new_residual, normed, rstd
 
 
@@ -539,7 +544,7 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
         BLOCK_P=_partial_sums_per_load(largest_sum, block_d, num_warps),
         L2_LOAD="" if is_rocm() else ".cg",
         BLOCK_D=block_d, BLOCK_ROWS=block_rows, PREFETCH=_prefetches(block_d),
-        num_warps=num_warps)
+        num_warps=num_warps, **launch_options(h.device))
     return grad_h, grad_h_copy, grad_weight
 
 

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from tinytransformer.triton_support import interpreter_active, is_gpu
+from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
 
 # A program's tile holds about this many elements (BLOCK_T rows x the row width), enough loads in flight per
 # program without spilling registers.
@@ -44,7 +45,9 @@ def _embedding_backward_kernel(
     n_tokens, n_features, vocab_size,
     BLOCK_T: tl.constexpr,   # token rows per program
     BLOCK_D: tl.constexpr,   # power of two >= n_features
+    PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
     row_mask = rows < n_tokens
@@ -67,7 +70,9 @@ def _embedding_backward_in_order_kernel(
     grad_weight_ptr,    # [V, D] float32, zero on entry; each row looked up is written once
     n_tokens, n_features, vocab_size,
     BLOCK_D: tl.constexpr,   # power of two >= n_features
+    PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
+    wait_for_previous_kernel(PDL)
     # One program per sorted position. The first position of each run of equal ids adds the run's rows one
     # after another, in sorted order, and stores the sum: no atomics, so the same bits on every run.
     position = tl.program_id(0)
@@ -123,7 +128,7 @@ def embedding_backward(input_ids: torch.Tensor, grad_output: torch.Tensor, vocab
     block_t = max(1, min(16, TILE_ELEMENTS // block_d))
     _embedding_backward_kernel[(triton.cdiv(ids.shape[0], block_t),)](
         ids.contiguous(), grad_rows.contiguous(), grad_weight, ids.shape[0], n_features, vocab_size,
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4, **launch_options(grad_weight.device))
     return grad_weight
 
 
@@ -154,7 +159,8 @@ def embedding_backward_in_order(ordered_ids: tuple[torch.Tensor, torch.Tensor], 
         return grad_weight
     _embedding_backward_in_order_kernel[(sorted_ids.shape[0],)](
         sorted_ids, order, grad_rows.contiguous(), grad_weight, sorted_ids.shape[0], grad_rows.shape[1],
-        vocab_size, BLOCK_D=triton.next_power_of_2(grad_rows.shape[1]), num_warps=4)
+        vocab_size, BLOCK_D=triton.next_power_of_2(grad_rows.shape[1]), num_warps=4,
+        **launch_options(grad_weight.device))
     return grad_weight
 
 

@@ -71,6 +71,7 @@ import triton.language as tl
 
 from tinytransformer.triton_support import (MAX_GRID_SECOND_AXIS, interpreter_active, interpreter_block, is_rocm,
                                             shared_memory_per_program, small_interpreter_blocks)
+from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -262,11 +263,13 @@ def _flash_attention_forward_kernel(
     k_offset, v_offset,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ROPE: tl.constexpr, COPY_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
     """One program: BLOCK_M query rows of one (batch, head). Grid: (cdiv(S, BLOCK_M), B * H).
 
     With ROPE it also writes, for the backward pass, the rotated q and k rows of its positions into QRot and
     KRot and, with COPY_V, the v rows into VCopy (all three laid out like q, k, v)."""
+    wait_for_previous_kernel(PDL)
     block_m = tl.program_id(0)
     batch_head = tl.program_id(1)
     qkv_start = _head_start(batch_head, num_heads, qkv_batch_stride, qkv_head_stride)
@@ -375,12 +378,14 @@ def _flash_attention_backward_dkdv_kernel(
     k_offset, v_offset,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
     """One program: dk and dv for BLOCK_N keys of one (batch, head), looping over query blocks.
 
     Q and K are read as the forward pass scored them (with RoPE: the rotated copies it saved); ROPE only
     rotates dk back to the unrotated keys before it is stored. Grid: (cdiv(S, BLOCK_N), B * H).
     """
+    wait_for_previous_kernel(PDL)
     block_n = tl.program_id(0)
     batch_head = tl.program_id(1)
     qkv_start = _head_start(batch_head, num_heads, qkv_batch_stride, qkv_head_stride)
@@ -447,6 +452,7 @@ def _flash_attention_backward_dq_kernel(
     k_offset, v_offset,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
     """One program: dq for BLOCK_M queries of one (batch, head), looping over key blocks. Runs BEFORE the
     dk/dv kernel, and also writes delta = rowsum(dO * O) of its rows for it.
@@ -457,6 +463,7 @@ def _flash_attention_backward_dq_kernel(
     Q and K as in the dk/dv kernel: already rotated with RoPE; ROPE rotates dq back before it is stored.
     Grid: (cdiv(S, BLOCK_M), B * H).
     """
+    wait_for_previous_kernel(PDL)
     block_m = tl.program_id(0)
     batch_head = tl.program_id(1)
     qkv_start = _head_start(batch_head, num_heads, qkv_batch_stride, qkv_head_stride)
@@ -718,7 +725,7 @@ def _run_forward(problem: _Problem, q, k, v, out, cos, sin, rotated=None) -> tor
         q_rot, k_rot, q if v_copy is None else v_copy,
         *problem.scalar_args(),
         HEAD_DIM=problem.head_dim, CAUSAL=problem.causal, ROPE=rope, COPY_V=v_copy is not None,
-        DOT_PRECISION=problem.precision, **config,
+        DOT_PRECISION=problem.precision, **config, **launch_options(q.device),
     )
     return lse
 
@@ -756,10 +763,12 @@ def _launch_backward(problem: _Problem, q, k, v, out, lse, cos, sin, grad_out, d
     config = _launch_config(problem.head_dim, q.dtype, seq_len, "dq", q.device)
     _flash_attention_backward_dq_kernel[(triton.cdiv(seq_len, config["BLOCK_M"]), batch_heads)](
         q, k, v, out, grad_out, lse, delta, dq, cos_arg, sin_arg, *problem.scalar_args(), **common, **config,
+        **launch_options(q.device),
     )
     config = _launch_config(problem.head_dim, q.dtype, seq_len, "dkdv", q.device)
     _flash_attention_backward_dkdv_kernel[(triton.cdiv(seq_len, config["BLOCK_N"]), batch_heads)](
         q, k, v, grad_out, lse, delta, dk, dv, cos_arg, sin_arg, *problem.scalar_args(), **common, **config,
+        **launch_options(q.device),
     )
 
 

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from tinytransformer.triton_support import interpreter_active, num_warps_for, small_interpreter_blocks
+from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
 
 # Largest block of vocabulary entries one program handles at a time (the row loops over blocks this long).
 MAX_BLOCK_V = 4096
@@ -84,7 +85,9 @@ def _cross_entropy_rows_kernel(
     SCALE_GRAD: tl.constexpr,   # multiply the gradient by grad_scale (1 / n_valid), else leave it unscaled
     BLOCK_V: tl.constexpr,
     ONE_BLOCK: tl.constexpr,    # V <= BLOCK_V: one read of the row instead of two passes
+    PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     # int64: rows * V of a long chunk can exceed 2^31 elements.
     row_logits_ptr = logits_ptr + row.to(tl.int64) * vocab_size
@@ -141,12 +144,14 @@ def _mean_loss_kernel(
     loss_ptr, inv_count_ptr,     # outputs: [1] float32 mean loss, [1] float32 1 / (number of counted rows)
     n_rows, ignore_index,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
     """One program: the mean of the per-row losses over the rows whose target is not ignored.
 
     Six tiny PyTorch kernels otherwise (compare, count, cast, sum, divide, reciprocal); one program is enough
     for the few thousand rows of a batch, and it adds the rows in a fixed order (deterministic).
     """
+    wait_for_previous_kernel(PDL)
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n_rows, BLOCK):
         rows = start + tl.arange(0, BLOCK)
@@ -158,8 +163,10 @@ def _mean_loss_kernel(
 
 
 @triton.jit
-def _inverse_count_kernel(targets_ptr, inv_count_ptr, n_rows, ignore_index, BLOCK: tl.constexpr):
+def _inverse_count_kernel(targets_ptr, inv_count_ptr, n_rows, ignore_index, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """One program: 1 / (number of targets not ignored), before the chunks, for the loss kernel to divide by."""
+    wait_for_previous_kernel(PDL)
     tl.store(inv_count_ptr, _inverse(_count_valid(targets_ptr, n_rows, ignore_index, BLOCK)))
 
 
@@ -185,7 +192,8 @@ def _count_valid(targets_ptr, n_rows, ignore_index, BLOCK: tl.constexpr):
 @triton.jit
 def _scale_pair_kernel(a_ptr, a_out_ptr, a_elements, a_programs, b_ptr, b_out_ptr, b_elements,
                        grad_output_ptr, inv_count_ptr, HAS_INV_COUNT: tl.constexpr,
-                       A_IN_PLACE: tl.constexpr, B_IN_PLACE: tl.constexpr, BLOCK: tl.constexpr):
+                       A_IN_PLACE: tl.constexpr, B_IN_PLACE: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """a_out = a * s and b_out = b * s, s = grad_output (* inv_count with HAS_INV_COUNT; float32 scalars in
     device memory), computed in float32 and rounded once to the outputs' dtypes. The first a_programs programs
     scale a, the others b: the backward pass of the loss is this one kernel. An output that is its input
@@ -195,6 +203,7 @@ def _scale_pair_kernel(a_ptr, a_out_ptr, a_elements, a_programs, b_ptr, b_out_pt
     times a float32 scalar tensor with its general (not vectorised) kernel: 16.9 us for the [16384, 256]
     bfloat16 grad_hidden of batch 32 x seq 512 on an H100, against the ~6 us that reading and writing 16 MB
     takes."""
+    wait_for_previous_kernel(PDL)
     scale = tl.load(grad_output_ptr)
     if HAS_INV_COUNT:
         scale = scale * tl.load(inv_count_ptr)
@@ -249,7 +258,7 @@ def cross_entropy_rows_(logits, targets, row_loss, ignore_index=-100, compute_gr
     _cross_entropy_rows_kernel[(n_rows,)](
         logits, targets, row_loss, row_loss if grad_scale is None else grad_scale, vocab_size, ignore_index,
         COMPUTE_GRAD=compute_grad, SCALE_GRAD=grad_scale is not None, BLOCK_V=block_v,
-        ONE_BLOCK=vocab_size <= block_v, num_warps=num_warps)
+        ONE_BLOCK=vocab_size <= block_v, num_warps=num_warps, **launch_options(logits.device))
 
 
 def cross_entropy_launch(vocab_size):
@@ -265,7 +274,7 @@ def mean_loss(row_loss, targets, ignore_index=-100):
     out = _new_output((2,), torch.float32, row_loss.device)
     block, num_warps = _one_program_launch(row_loss.shape[0])
     _mean_loss_kernel[(1,)](row_loss, targets, out, out[1:], row_loss.shape[0], ignore_index, BLOCK=block,
-                            num_warps=num_warps)
+                            num_warps=num_warps, **launch_options(out.device))
     return out[0], out[1]
 
 
@@ -273,7 +282,8 @@ def inverse_count(targets, ignore_index=-100):
     """1 / (number of targets not equal to ignore_index): a one-element float32 tensor on targets' device."""
     out = _new_output((1,), torch.float32, targets.device)
     block, num_warps = _one_program_launch(targets.shape[0])
-    _inverse_count_kernel[(1,)](targets, out, targets.shape[0], ignore_index, BLOCK=block, num_warps=num_warps)
+    _inverse_count_kernel[(1,)](targets, out, targets.shape[0], ignore_index, BLOCK=block, num_warps=num_warps,
+                                **launch_options(out.device))
     return out
 
 
@@ -312,7 +322,8 @@ def scaled_pair(a, a_dtype, b, b_dtype, grad_output, inv_count=None, in_place=Fa
         _scale_pair_kernel[(n_programs,)](a_in, a_to, a_elements, a_programs, b_in, b_to, b_elements,
                                           grad_output, grad_output if inv_count is None else inv_count,
                                           HAS_INV_COUNT=inv_count is not None, A_IN_PLACE=a_out is a,
-                                          B_IN_PLACE=b_out is b, BLOCK=block, num_warps=8)
+                                          B_IN_PLACE=b_out is b, BLOCK=block, num_warps=8,
+                                          **launch_options(grad_output.device))
     return a_out, b_out
 
 

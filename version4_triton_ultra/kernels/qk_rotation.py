@@ -32,6 +32,7 @@ from tinytransformer.triton_support import (MAX_GRID_SECOND_AXIS, interpreter_ac
 # GEMM's epilogue reads them: one definition of each in version 4.
 from version4_triton_ultra.kernels.flash_attention import SUPPORTED_HEAD_DIMS
 from version4_triton_ultra.kernels.qkv_rope_gemm import checked_rope_tables, head_dim_problem
+from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -44,9 +45,11 @@ def _rotate_qk_kernel(
     n_rows, dim, seq_len,
     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
     INVERSE: tl.constexpr,   # rotate by minus the angle: sin(-a) = -sin(a), cos(-a) = cos(a)
+    PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
     """Grid: (cdiv(n_rows, BLOCK_M), cdiv(2 * dim / HEAD_DIM, HEADS)). Heads are numbered over q then k. The row
     blocks are on the grid's first axis, which allows 2**31 - 1 programs (the second allows 65,535)."""
+    wait_for_previous_kernel(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
@@ -144,5 +147,6 @@ def rotate_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_len:
         if problem:
             raise ValueError(problem)
     _rotate_qk_kernel[_grid(n_rows, rotated_heads, config)](qkv, cos, sin, n_rows, dim, seq_len, HEAD_DIM=head_dim,
-                                                             INVERSE=inverse, **config)
+                                                             INVERSE=inverse, **config,
+                                                             **launch_options(qkv.device))
     return qkv

@@ -34,6 +34,7 @@ from tinytransformer.triton_support import (interpreter_active, interpreter_bloc
 # them: one definition of each in version 4.
 from version4_triton_ultra.kernels.flash_attention import SUPPORTED_HEAD_DIMS, rotate_half
 from version4_triton_ultra.kernels.swiglu_gemm import MAX_ROW_BLOCKS, SUPPORTED_DTYPES, dot_precision
+from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
 
 
 @triton.jit
@@ -46,9 +47,11 @@ def _qkv_rope_kernel(
     n_rows, n_in, dim, seq_len,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
     """One program: rows [BLOCK_M] x columns [BLOCK_N] of qkv. Grid: (cdiv(3D, BLOCK_N), cdiv(N, BLOCK_M)); the
     column blocks of one row block run side by side and share its x tile in L2."""
+    wait_for_previous_kernel(PDL)
     col_start = tl.program_id(0) * BLOCK_N
     cols = col_start + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)   # int64: N * 3D may pass 2**31
@@ -210,5 +213,6 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
         return qkv
     grid = (triton.cdiv(width, config["BLOCK_N"]), triton.cdiv(n_rows, config["BLOCK_M"]))
     _qkv_rope_kernel[grid](x, weight, cos, sin, qkv, n_rows, n_in, dim, seq_len,
-                           HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(x.dtype), **config)
+                           HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(x.dtype), **config,
+                           **launch_options(x.device))
     return qkv

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from tinytransformer.triton_support import (interpreter_active, interpreter_block, num_warps_for,
                                             small_interpreter_blocks)
+from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -28,7 +29,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Triton kernels
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _separate_swiglu_forward_kernel(gate_up_ptr, h_ptr, n_ffn, BLOCK: tl.constexpr):
+def _separate_swiglu_forward_kernel(gate_up_ptr, h_ptr, n_ffn, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_ffn
@@ -39,7 +41,9 @@ def _separate_swiglu_forward_kernel(gate_up_ptr, h_ptr, n_ffn, BLOCK: tl.constex
 
 
 @triton.jit
-def _separate_swiglu_backward_kernel(grad_h_ptr, gate_up_ptr, grad_gate_up_ptr, n_ffn, BLOCK: tl.constexpr):
+def _separate_swiglu_backward_kernel(grad_h_ptr, gate_up_ptr, grad_gate_up_ptr, n_ffn, BLOCK: tl.constexpr,
+                                     PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_ffn
@@ -92,7 +96,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     if n_rows > 0 and n_ffn > 0:
         config = _launch_config(n_ffn)
         grid = (n_rows, triton.cdiv(n_ffn, config["BLOCK"]))
-        _separate_swiglu_forward_kernel[grid](gate_up, h, n_ffn, **config)
+        _separate_swiglu_forward_kernel[grid](gate_up, h, n_ffn, **config, **launch_options(gate_up.device))
     return h
 
 
@@ -108,5 +112,6 @@ def swiglu_backward(grad_h: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor
     if n_rows > 0 and n_ffn > 0:
         config = _launch_config(n_ffn)
         grid = (n_rows, triton.cdiv(n_ffn, config["BLOCK"]))
-        _separate_swiglu_backward_kernel[grid](grad_h, gate_up, grad_gate_up, n_ffn, **config)
+        _separate_swiglu_backward_kernel[grid](grad_h, gate_up, grad_gate_up, n_ffn, **config,
+                                               **launch_options(gate_up.device))
     return grad_gate_up

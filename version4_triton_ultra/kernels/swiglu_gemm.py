@@ -31,6 +31,7 @@ import triton.language as tl
 from tinytransformer.triton_support import (MAX_GRID_SECOND_AXIS, interpreter_active, interpreter_block, is_rocm,
                                             small_interpreter_blocks)
 from tinytransformer.precision import tf32_enabled
+from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -46,9 +47,11 @@ def _gate_up_swiglu_kernel(
     h_ptr,          # out: [n_rows, n_ffn] = silu(gate) * up
     n_rows, n_ffn, n_in,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
     """One program: rows [BLOCK_M] x columns [BLOCK_N] of gate, of up and of h. Grid: (cdiv(F, BLOCK_N),
     cdiv(N, BLOCK_M)); the column blocks of one row block run next to each other and share its x tile in L2."""
+    wait_for_previous_kernel(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)   # int64: N * 2F may pass 2**31
     row_mask, col_mask = rows < n_rows, cols < n_ffn
@@ -87,9 +90,11 @@ def _down_swiglu_backward_kernel(
     grad_gate_up_ptr,    # out: [n_rows, 2 * n_ffn]
     n_rows, n_ffn, n_out,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
     """One program: a [BLOCK_M, BLOCK_N] tile of dh = grad_y @ w_down, then the same tile of d(gate) and d(up).
     Grid as in the forward kernel."""
+    wait_for_previous_kernel(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask, col_mask = rows < n_rows, cols < n_ffn
@@ -227,7 +232,7 @@ def gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor,
         config = _launch_config(x.dtype, n_rows, "forward", n_ffn, n_in)
         grid = _grid(n_rows, n_in, n_ffn, config)
         _gate_up_swiglu_kernel[grid](x, weight, gate_up, h, n_rows, n_ffn, n_in,
-                                     DOT_PRECISION=dot_precision(x.dtype), **config)
+                                     DOT_PRECISION=dot_precision(x.dtype), **config, **launch_options(x.device))
     return gate_up, h
 
 
@@ -248,5 +253,6 @@ def down_swiglu_backward(grad_y: torch.Tensor, down_weight: torch.Tensor, gate_u
         config = _launch_config(grad_y.dtype, n_rows, "backward", n_ffn, n_out)
         grid = _grid(n_rows, n_out, n_ffn, config)
         _down_swiglu_backward_kernel[grid](grad_y, down_weight, gate_up, grad_gate_up, n_rows, n_ffn, n_out,
-                                           DOT_PRECISION=dot_precision(grad_y.dtype), **config)
+                                           DOT_PRECISION=dot_precision(grad_y.dtype), **config,
+                                           **launch_options(grad_y.device))
     return grad_gate_up

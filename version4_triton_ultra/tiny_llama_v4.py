@@ -517,8 +517,8 @@ def add_attention_arguments(parser):
 def add_launch_arguments(parser):
     """How version 4's Triton kernels are launched (also profile_graphed_step.py's)."""
     parser.add_argument("--no-programmatic-launch", dest="programmatic_launch", action="store_false", default=True,
-                        help="launch every Triton kernel only once the kernel before it has finished (default on "
-                             "Hopper and later NVIDIA GPUs: it may start while that kernel finishes, "
+                        help="launch every Triton kernel only once the kernel before it has completed (default on "
+                             "Hopper and later NVIDIA GPUs: it may be launched before and waits for it first, "
                              "kernels/programmatic_launch.py; to compare)")
 
 

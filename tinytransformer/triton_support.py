@@ -93,11 +93,6 @@ def use_known_gpu(gpu: KnownGpu | None) -> None:
     _known_gpu = gpu
 
 
-def known_gpu() -> KnownGpu | None:
-    """The GPU chosen with `use_known_gpu`, or None when launch configurations are those of this process's GPU."""
-    return _known_gpu
-
-
 def is_gpu(device: torch.device) -> bool:
     """True for a GPU tensor's device; with a known GPU chosen, also for meta tensors, which stand in for it."""
     return device.type == "cuda" or (_known_gpu is not None and device.type == "meta")
@@ -141,6 +136,22 @@ def multiprocessor_count(device: torch.device) -> int:
         return _known_gpu.multiprocessors
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _multiprocessor_count_of(index)
+
+
+def nvidia_generation(device: torch.device) -> int | None:
+    """The major number of an NVIDIA GPU's compute capability (8: Ampere, 9: Hopper, 10: Blackwell), None on AMD.
+    Cached, as multiprocessor_count is. With a known GPU chosen (use_known_gpu), read from its target ("sm_90")."""
+    if is_rocm():
+        return None
+    if _known_gpu is not None:
+        return int(_known_gpu.target.removeprefix("sm_")) // 10
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _compute_capability_major_of(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability_major_of(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def shared_memory_per_program(device: torch.device) -> int:

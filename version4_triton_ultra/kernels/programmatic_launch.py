@@ -21,14 +21,12 @@ model's 1.7% less (version 4's README, "Triton kernels launched before the one b
 Only kernels launched with the attribute are launched early: the vendor GEMMs (cuBLAS), cuDNN's attention and
 PyTorch's own kernels are launched as before, each once the kernel before it has completed.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from tinytransformer.triton_support import interpreter_active, is_gpu, known_gpu
+from tinytransformer.triton_support import interpreter_active, is_gpu, nvidia_generation
 
 # The training script's --no-programmatic-launch turns it off (set_programmatic_launch): the form to compare.
 _enabled = True
@@ -49,19 +47,8 @@ def gpu_has_programmatic_launch(device: torch.device) -> bool:
     With a known GPU chosen (the kernel report), that GPU's answer; in Triton's CPU interpreter, False."""
     if interpreter_active() or not is_gpu(device):
         return False
-    gpu = known_gpu()
-    if gpu is not None:
-        return gpu.vendor == "nvidia" and int(gpu.target.removeprefix("sm_")) >= 90
-    if torch.version.hip is not None:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _compute_capability_major(index) >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _compute_capability_major(device_index: int) -> int:
-    """Cached: kernels ask at every launch, and asking the driver costs host time."""
-    return torch.cuda.get_device_capability(device_index)[0]
+    generation = nvidia_generation(device)
+    return generation is not None and generation >= 9
 
 
 def launch_options(device: torch.device) -> dict:

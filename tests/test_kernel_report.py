@@ -79,13 +79,29 @@ def test_every_kernel_compiles_for_mi300_and_h100(tmp_path):
 
 
 # ------------------------------------------------------------------ the 16-bit attention tiles (attention_tiles.py)
-def run_attention_tiles(*flags, code=None):
-    """python -m benchmarks.kernel_report.attention_tiles FLAGS, or `code` run the same way (a process of its own,
+def run_check(module: str, *flags, code=None):
+    """python -m benchmarks.kernel_report.MODULE FLAGS, or `code` run the same way (a process of its own,
     interpreter off)."""
     environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = ["-c", code] if code else ["-m", "benchmarks.kernel_report.attention_tiles", *flags]
+    command = ["-c", code] if code else ["-m", f"benchmarks.kernel_report.{module}", *flags]
     return subprocess.run([sys.executable, *command], cwd=REPO, env=environment, capture_output=True, text=True,
                           timeout=600)
+
+
+def run_check_patched(module: str, kernels: str, patch: str):
+    """The check MODULE on sm_90 after `patch` (a line of Python that may name `kernels`, a module of
+    version4_triton_ultra/kernels/) has changed a rule of version 4's kernels."""
+    code = ("import sys\n"
+            f"from benchmarks.kernel_report import discovery, {module}\n"
+            "discovery.import_versions()\n"
+            f"from version4_triton_ultra.kernels import {kernels}\n"
+            f"{patch}\n"
+            f"sys.exit({module}.main(['--targets', 'sm_90']))\n")
+    return run_check(module, code=code)
+
+
+def run_attention_tiles(*flags):
+    return run_check("attention_tiles", *flags)
 
 
 def test_16_bit_attention_tiles_fit_the_h100_and_the_mi300():
@@ -103,14 +119,9 @@ def test_16_bit_attention_tiles_fit_the_h100_and_the_mi300():
 def test_attention_tiles_catch_a_forward_that_does_not_fit():
     """Three stages for the forward with RoPE on load at head dim 128 ask for more shared memory than an H100 has
     (the GPU refused that launch, which is why that forward keeps one stage): the check says so and fails."""
-    code = ("import sys\n"
-            "from benchmarks.kernel_report import attention_tiles, discovery\n"
-            "discovery.import_versions()\n"
-            "from version4_triton_ultra.kernels import flash_attention as fa\n"
-            "fa._hopper_launch_config = lambda head_dim, kernel, rope_on_load: "
-            "dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)\n"
-            "sys.exit(attention_tiles.main(['--targets', 'sm_90']))\n")
-    result = run_attention_tiles(code=code)
+    result = run_check_patched("attention_tiles", "flash_attention", (
+        "flash_attention._hopper_launch_config = lambda head_dim, kernel, rope_on_load: "
+        "dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)"))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     too_big = [line for line in result.stdout.splitlines() if "does not fit" in line]
     assert len(too_big) == 1 and "Dh 128" in too_big[0] and "RoPE on load" in too_big[0]
@@ -118,6 +129,59 @@ def test_attention_tiles_catch_a_forward_that_does_not_fit():
 
 def test_attention_tiles_refuse_an_unknown_target():
     result = run_attention_tiles("--targets", "sm_99")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "--targets" in result.stderr
+
+
+# ------------------------------------------------------------------ the norm backward's layouts (norm_layouts.py)
+def run_norm_layouts(*flags):
+    return run_check("norm_layouts", *flags)
+
+
+def test_the_norm_backward_keeps_one_layout_in_its_loop():
+    """In the bfloat16 step's form, at every preset's width, compiled for an H100 and an MI300: no layout move
+    inside the tile loop, each tensor at 4 columns a thread."""
+    result = run_norm_layouts("--targets", "sm_90,gfx942")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if "layout moves in the loop" in line]
+    assert len(lines) == 8 and all(line.endswith("layout moves in the loop: 0") for line in lines)
+    assert all("vector 4" in line for line in lines)
+    assert "8 of 8 launches compile with no layout move inside a loop" in result.stdout
+
+
+def test_the_norm_layout_check_catches_a_move_in_the_loop():
+    """Each tensor laid out by its own dtype (the kernel before _shared_vector): the float32 grad_h moves from the
+    bfloat16 loads' layout to the float32 store's in every tile, and the check fails."""
+    result = run_check_patched("norm_layouts", "add_rmsnorm", "add_rmsnorm._shared_vector = lambda *dtypes: 0")
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if "layout moves in the loop" in line]
+    assert len(lines) == 4 and all(line.endswith("layout moves in the loop: 1") for line in lines)
+
+
+def test_layout_moves_are_counted_inside_loops_only():
+    from benchmarks.kernel_report.norm_layouts import layout_moves_in_loops
+    ttgir = "\n".join([
+        "tt.func public @k() {",
+        "  %a = ttg.convert_layout %x : tensor<4xf32, #a> -> tensor<4xf32, #b>",       # outside: not counted
+        "  %r = scf.for %i = %c0 to %n step %c1 iter_args(%acc = %z) -> (tensor<4xf32>) {",
+        "    %b = ttg.convert_layout %acc : tensor<4xf32, #a> -> tensor<4xf32, #b>",   # counted
+        "    %c = scf.if %p -> (tensor<4xf32>) {",
+        "      %d = ttg.convert_layout %b : tensor<4xf32, #b> -> tensor<4xf32, #a>",   # counted: in the loop's if
+        "    } else {",
+        "      %e = ttg.convert_layout %b : tensor<4xf32, #b> -> tensor<4xf32, #a>",   # counted
+        "    }",
+        "    scf.yield %c : tensor<4xf32>",
+        "  }",
+        "  %f = scf.if %p -> (tensor<4xf32>) {",
+        "    %g = ttg.convert_layout %r : tensor<4xf32, #a> -> tensor<4xf32, #b>",     # an if, not a loop
+        "  }",
+        "  tt.return",
+        "}"])
+    assert layout_moves_in_loops(ttgir) == 3
+    assert layout_moves_in_loops("") == 0
+
+
+def test_norm_layouts_refuses_an_unknown_target():
+    result = run_norm_layouts("--targets", "sm_99")
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "--targets" in result.stderr
 
 

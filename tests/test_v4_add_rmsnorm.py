@@ -418,18 +418,19 @@ def norm_tuner():
     return tune_norm_backward
 
 
-@pytest.mark.parametrize("launch", [None, (2, 1, 2, True), (4, 1, 1, False)],
-                         ids=["the rules", "prefetch", "no prefetch"])
+@pytest.mark.parametrize("launch", [None, (2, 1, 2, True, None), (4, 1, 1, False, None), (2, 1, 2, True, 0),
+                                    (4, 1, 1, False, 8)],
+                         ids=["the rules", "prefetch", "no prefetch", "own layouts", "vector 8"])
 def test_the_norm_tuners_check_passes_every_launch_and_catches_a_wrong_answer(launch, norm_tuner, device):
     """The backward under the rules and under overridden launches (2 or 4 rows a tile, several tiles a program,
     the last partial) against float64; a 1% error is caught; the rules are back afterwards."""
     tune = norm_tuner
     inputs = tune.make_inputs(37, 96, device=device)
     want = tune.reference(inputs)
-    rules = (arn._backward_tile, arn._programs_per_sm, arn._prefetches)
+    rules = (arn._backward_tile, arn._programs_per_sm, arn._prefetches, arn._shared_vector)
     with tune.Override(128, launch):
         outputs = tune.run_backward(inputs)
-    assert (arn._backward_tile, arn._programs_per_sm, arn._prefetches) == rules
+    assert (arn._backward_tile, arn._programs_per_sm, arn._prefetches, arn._shared_vector) == rules
     assert tune.largest_error(outputs, want) < tune.TOLERANCE
     grad_h, copy, grad_weight = outputs
     assert tune.largest_error((grad_h * 1.01, copy, grad_weight), want) > 100 * tune.TOLERANCE
@@ -440,7 +441,8 @@ def test_the_norm_tuners_override_reaches_only_its_width(norm_tuner, known_gpu):
     tune = norm_tuner
     known_gpu(triton_support.KNOWN_GPUS["sm_90"])
     meta = torch.device("meta")
-    with tune.Override(512, (2, 8, 1, False)):
+    with tune.Override(512, (2, 8, 1, False, None)):
+        assert arn._shared_vector(torch.float32, torch.bfloat16) == 4   # the rule's, without VECTOR
         assert arn._backward_tile(512, 8192, meta) == (2, 8) and not arn._prefetches(512)
         programs, rows_per_program = arn._backward_program_count(8192, 2, 512, meta)   # 1 per SM
         assert programs <= triton_support.KNOWN_GPUS["sm_90"].multiprocessors < programs + 2
@@ -448,8 +450,34 @@ def test_the_norm_tuners_override_reaches_only_its_width(norm_tuner, known_gpu):
         assert arn._backward_tile(1024, 8192, meta) == (4, 8) and arn._prefetches(1024)   # the rules' own
 
 
+def test_the_norm_tuners_candidates_may_name_the_vector(norm_tuner):
+    """ROWS,WARPS,PROGRAMS_PER_SM,PREFETCH keeps the vector rule; a fifth field replaces it (0: each tensor's own
+    layout, the kernel before the rule), at every width; the table's label says which."""
+    tune = norm_tuner
+    assert tune.candidate("4,8,2,1") == (4, 8, 2, True, None)
+    assert tune.candidate("4,8,2,1,0") == (4, 8, 2, True, 0)
+    assert tune.label((4, 8, 2, True, 0)) == "4 rows, 8 warps, 2/SM, prefetch, own layouts"
+    assert tune.label((4, 8, 1, False, 8)) == "4 rows, 8 warps, 1/SM, vector 8"
+    with tune.Override(1024, (4, 8, 2, True, 0)):
+        assert arn._shared_vector(torch.float32, torch.bfloat16) == 0
+    assert arn._shared_vector(torch.float32, torch.bfloat16) == 4
+    for bad in ("4,8,2,1,3", "4,8,2,1,32", "4,8,2,1,0,0"):
+        with pytest.raises(ValueError):
+            tune.candidate(bad)
+
+
+def test_one_vector_width_for_the_widest_dtype_of_a_tile():
+    """16 bytes of the widest dtype among a tile's tensors: float32 with bfloat16 (the bfloat16 step) 4 columns,
+    bfloat16 alone 8, float64 2."""
+    assert arn._shared_vector(torch.float32, torch.bfloat16, torch.float32, torch.float32, torch.bfloat16) == 4
+    assert arn._shared_vector(torch.bfloat16, torch.float16) == 8
+    assert arn._shared_vector(torch.float32) == 4
+    assert arn._shared_vector(torch.float64, torch.float32) == 2
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 @pytest.mark.parametrize("flags", [[], ["--candidates", "4,4,2"], ["--candidates", "4,3,2,1"],
+                                   ["--candidates", "4,4,2,1,5"],
                                    ["--candidates", "3,4,2,1"], ["--features", "9000"], ["--in-step", "huge"],
                                    ["--in-step", "medium"]])
 def test_the_norm_tuner_needs_a_gpu_and_good_flags(flags):

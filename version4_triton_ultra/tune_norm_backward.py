@@ -4,11 +4,14 @@
     python tune_norm_backward.py --features 2048 --rows 8192      (the large preset's rows)
     python tune_norm_backward.py --features 512 --rows 4096 --in-step small
     python tune_norm_backward.py --features 1024 --candidates 4,8,2,1 2,4,2,1
+    python tune_norm_backward.py --features 1024 --candidates 4,8,2,1,0 --in-step medium
 
 kernels/add_rmsnorm.py launches its backward kernel by rules of the row width (`_backward_tile`,
-`_programs_per_sm`, `_prefetches`): rows per tile, warps, programs per SM, and whether the next tile is
-loaded before the current one is computed. Each candidate here is ROWS,WARPS,PROGRAMS_PER_SM,PREFETCH (0 or 1)
-and replaces those rules at this width only. The first row of the table is the rules' own launch.
+`_programs_per_sm`, `_prefetches`, `_shared_vector`): rows per tile, warps, programs per SM, whether the next tile
+is loaded before the current one is computed, and how many columns a thread moves together in every tensor. Each
+candidate here is ROWS,WARPS,PROGRAMS_PER_SM,PREFETCH (0 or 1), optionally followed by ,VECTOR (0: each tensor
+laid out by its own dtype, as the kernel was before `_shared_vector`; else a power of two), and replaces those rules
+at this width only (without VECTOR, the rule's). The first row of the table is the rules' own launch.
 
 How it times (tinytransformer/kernel_bench/graph_timing.py): one CUDA/HIP graph of 20 back-to-back launches per
 candidate, replayed in interleaved rounds (median of 5, microseconds per launch). Not do_bench per call: this
@@ -47,27 +50,35 @@ COPY_TOLERANCE = 2e-2   # the bfloat16 copy of grad_h (DESIGN.md's tolerance for
 MAX_TILE_ELEMENTS = 16384   # larger candidate tiles (e.g. 8 rows of 8,192 features) would spill: skipped
 LAUNCHES_PER_GRAPH = 20
 ROUNDS = 5
-# (rows per tile, warps, programs per SM, prefetch), tried at every width; the rules' own launch comes first.
-CANDIDATES = [(8, 4, 4, False), (8, 4, 2, False), (4, 4, 2, True), (4, 8, 2, True), (4, 4, 1, True),
-              (2, 4, 2, True), (2, 8, 2, True), (1, 4, 2, True), (4, 2, 4, True), (2, 2, 8, False)]
+# (rows per tile, warps, programs per SM, prefetch, vector: None for the rule's), tried at every width; the rules'
+# own launch comes first.
+CANDIDATES = [(8, 4, 4, False, None), (8, 4, 2, False, None), (4, 4, 2, True, None), (4, 8, 2, True, None),
+              (4, 4, 1, True, None), (2, 4, 2, True, None), (2, 8, 2, True, None), (1, 4, 2, True, None),
+              (4, 2, 4, True, None), (2, 2, 8, False, None)]
 
 
 def candidate(text: str) -> tuple:
     parts = text.split(",")
-    if len(parts) != 4 or not all(p.isdigit() for p in parts) or parts[3] not in ("0", "1"):
-        raise ValueError(f"expected ROWS,WARPS,PROGRAMS_PER_SM,PREFETCH (e.g. 4,4,2,1), got {text!r}")
-    rows, warps, per_sm, prefetch = (int(p) for p in parts)
+    if len(parts) not in (4, 5) or not all(p.isdigit() for p in parts) or parts[3] not in ("0", "1"):
+        raise ValueError(f"expected ROWS,WARPS,PROGRAMS_PER_SM,PREFETCH[,VECTOR] (e.g. 4,4,2,1), got {text!r}")
+    rows, warps, per_sm, prefetch = (int(p) for p in parts[:4])
+    vector = int(parts[4]) if len(parts) == 5 else None   # None: the rule's
     if rows not in (1, 2, 4, 8, 16, 32) or per_sm < 1 or warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"{text!r}: rows and warps powers of two (up to 32 and 16), programs per SM >= 1")
-    return rows, warps, per_sm, bool(prefetch)
+    if vector not in (None, 0, 1, 2, 4, 8, 16):
+        raise ValueError(f"{text!r}: VECTOR is 0 (each tensor its own layout) or a power of two up to 16")
+    return rows, warps, per_sm, bool(prefetch), vector
 
 
 def parse_args(argv):
     parser = OneLineParser(prog="tune_norm_backward.py", description=__doc__.splitlines()[0])
     parser.add_argument("--features", type=positive_int, default=512, help="row width D [512]")
     parser.add_argument("--rows", type=positive_int, default=8192, help="rows N (batch x sequence) [8192]")
-    parser.add_argument("--candidates", nargs="+", metavar="R,W,P,F",
-                        help="launches to try: rows per tile, warps, programs per SM, prefetch 0/1 [a built-in list]")
+    parser.add_argument("--candidates", nargs="+", metavar="R,W,P,F[,V]",
+                        help="launches to try: rows per tile, warps, programs per SM, prefetch 0/1, and optionally "
+                             "the vector (0: each tensor its own layout) [a built-in list]")
+    parser.add_argument("--step-rounds", type=positive_int, default=3,
+                        help="interleaved rounds of the steps timed by --in-step [3]")
     parser.add_argument("--in-step", choices=available_presets(), metavar="PRESET",
                         help="also time version 4's step at this preset under the rules and the 2 fastest candidates")
     args = parser.parse_args(argv)
@@ -87,26 +98,29 @@ def parse_args(argv):
 
 
 class Override:
-    """Replaces the backward kernel's launch rules (_backward_tile, _programs_per_sm, _prefetches) for rows of
-    block_d features (None: the rules as they are), inside a `with` block."""
+    """Replaces the backward kernel's launch rules (_backward_tile, _programs_per_sm, _prefetches, and
+    _shared_vector when the launch names a VECTOR) for rows of block_d features (None: the rules as they are),
+    inside a `with` block. The vector rule is asked by dtypes, not width, so it is replaced at every width."""
 
     def __init__(self, block_d: int, launch):
         self.block_d, self.launch = block_d, launch
-        self.saved = (norm._backward_tile, norm._programs_per_sm, norm._prefetches)
+        self.saved = (norm._backward_tile, norm._programs_per_sm, norm._prefetches, norm._shared_vector)
 
     def __enter__(self):
         if self.launch is None:
             return self
-        tile, per_sm_rule, prefetches = self.saved
-        rows, warps, per_sm, prefetch = self.launch
+        tile, per_sm_rule, prefetches, _ = self.saved
+        rows, warps, per_sm, prefetch, vector = self.launch
         ours = lambda block_d: block_d == self.block_d  # noqa: E731
         norm._backward_tile = lambda block_d, *rest: (rows, warps) if ours(block_d) else tile(block_d, *rest)
         norm._programs_per_sm = lambda block_d: per_sm if ours(block_d) else per_sm_rule(block_d)
         norm._prefetches = lambda block_d: prefetch if ours(block_d) else prefetches(block_d)
+        if vector is not None:
+            norm._shared_vector = lambda *dtypes: vector
         return self
 
     def __exit__(self, *exc):
-        norm._backward_tile, norm._programs_per_sm, norm._prefetches = self.saved
+        norm._backward_tile, norm._programs_per_sm, norm._prefetches, norm._shared_vector = self.saved
 
 
 def make_inputs(n_rows, n_features, device="cuda"):
@@ -148,10 +162,14 @@ def largest_error(outputs, want) -> float:
 
 
 def label(launch) -> str:
-    return "the rules" if launch is None else "{} rows, {} warps, {}/SM{}".format(*launch[:3], ", prefetch" * launch[3])
+    if launch is None:
+        return "the rules"
+    rows, warps, per_sm, prefetch, vector = launch
+    vector_text = "" if vector is None else (", own layouts" if vector == 0 else f", vector {vector}")
+    return f"{rows} rows, {warps} warps, {per_sm}/SM" + ", prefetch" * prefetch + vector_text
 
 
-def time_in_step(preset: str, launches: list, block_d: int) -> dict:
+def time_in_step(preset: str, launches: list, block_d: int, rounds: int = 3) -> dict:
     from version4_triton_ultra import profile_graphed_step
     args = profile_graphed_step.parse_args(["--preset", preset, "--use-amp"])
     steps = {}
@@ -164,7 +182,7 @@ def time_in_step(preset: str, launches: list, block_d: int) -> dict:
     torch.cuda.synchronize()
     # Each turn: 20 untimed replays, then the median of 30 (profile_graphed_step's timing).
     return time_interleaved({name: (lambda s=s: profile_graphed_step.median_step_ms(*s, steps=30))
-                             for name, s in steps.items()}, rounds=3)
+                             for name, s in steps.items()}, rounds=rounds)
 
 
 def main(argv=None) -> int:
@@ -181,23 +199,24 @@ def main(argv=None) -> int:
                 errors[name] = largest_error(run_backward(inputs), want)
                 graphs[name] = captured_launches(lambda: run_backward(inputs), LAUNCHES_PER_GRAPH)
             except Exception as why:   # noqa: BLE001 - a launch this GPU cannot compile or run is not a candidate
-                print(f"{name:<34} fails: {str(why).splitlines()[0][:80]}")
+                print(f"{name:<46} fails: {str(why).splitlines()[0][:80]}")
     times = time_interleaved({name: (lambda g=g: graph_ms(g)) for name, g in graphs.items()}, ROUNDS)
     print(f"{torch.cuda.get_device_name()}: backward of {args.rows} x {args.features}, bfloat16 gradients; "
           f"us per launch (graph of {LAUNCHES_PER_GRAPH}, median of {ROUNDS} rounds); error against float64")
     for name, ms in times.items():
         us = 1000.0 * ms / LAUNCHES_PER_GRAPH
         verdict = "ok" if errors[name] < TOLERANCE else "WRONG"
-        print(f"{name:<34} {us:8.1f} us  {bytes_moved / us / 1e3:7.0f} GB/s  error {errors[name]:.1e}  {verdict}")
+        print(f"{name:<46} {us:8.1f} us  {bytes_moved / us / 1e3:7.0f} GB/s  error {errors[name]:.1e}  {verdict}")
     if args.in_step:
         del graphs   # their memory, before whole steps are built (three at the large preset: ~23 GB each)
         torch.cuda.empty_cache()
         fastest = sorted((ms, name) for name, ms in times.items()
                          if name != label(None) and errors[name] < TOLERANCE)[:2]
         chosen = [None] + [launch for launch in args.candidates if label(launch) in {n for _, n in fastest}]
-        print(f"version 4's step at the {args.in_step} preset (bfloat16), ms, median of 3 interleaved rounds:")
-        for name, ms in time_in_step(args.in_step, chosen, block_d).items():
-            print(f"{name:<34} {ms:8.3f} ms")
+        print(f"version 4's step at the {args.in_step} preset (bfloat16), ms, median of {args.step_rounds} "
+              "interleaved rounds:")
+        for name, ms in time_in_step(args.in_step, chosen, block_d, args.step_rounds).items():
+            print(f"{name:<46} {ms:8.3f} ms")
     return 0
 
 

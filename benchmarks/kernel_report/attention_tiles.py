@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks.kernel_report import discovery  # noqa: E402
 from benchmarks.kernel_report.compile import compile_one, distinct_launches  # noqa: E402
 from benchmarks.kernel_report.report import OK, analyse  # noqa: E402
-from benchmarks.kernel_report.targets import TARGETS  # noqa: E402
+from benchmarks.kernel_report.targets import TARGETS, targets_from_flag  # noqa: E402
 from tinytransformer.cli import OneLineParser  # noqa: E402
 
 HEAD_DIMS = (64, 128)   # the medium and large presets' (hidden / heads)
@@ -69,10 +69,7 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", default="sm_90", help=f"comma-separated, from {','.join(TARGETS)} [sm_90]")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown or not targets:
-        parser.error(f"--targets: choose from {','.join(TARGETS)} (got {args.targets!r})")
+    targets = targets_from_flag(parser, args.targets)
     discovery.import_versions()   # defines the kernels for a GPU, not for the interpreter
     from version4_triton_ultra.kernels import flash_attention as fa
     rows = [row for target in targets for row in rows_for(target, getattr(torch, args.dtype), fa)]

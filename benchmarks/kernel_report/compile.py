@@ -24,7 +24,7 @@ class Compiled:
     paths: set = dataclasses.field(default_factory=set)     # model paths that launch it
     presets: set = dataclasses.field(default_factory=set)   # presets at which they do
     error: str | None = None        # the compiler's error, one line
-    asm: dict = dataclasses.field(default_factory=dict)     # "amdgcn" text / "cubin" bytes
+    asm: dict = dataclasses.field(default_factory=dict)     # "amdgcn" text / "cubin" bytes, "ttgir" text
     shared: int = 0                 # bytes of shared memory / LDS Triton asks for at launch
     num_warps: int = 0
 
@@ -80,7 +80,8 @@ def compile_one(result: Compiled, arguments, target: Target) -> Compiled:
     except Exception as error:   # any compiler failure is a result to report, not a crash
         result.error = one_line(error)
         return result
-    result.asm = {name: kernel.asm[name] for name in ("amdgcn", "cubin") if name in kernel.asm}
+    # The machine code for the resources, and Triton's GPU-level IR (ttgir) for the layouts the compiler chose.
+    result.asm = {name: kernel.asm[name] for name in ("amdgcn", "cubin", "ttgir") if name in kernel.asm}
     result.shared = int(kernel.metadata.shared)
     result.num_warps = int(kernel.metadata.num_warps)
     return result

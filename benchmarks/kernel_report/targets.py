@@ -52,3 +52,11 @@ TARGETS = {
     "sm_80": Target(KNOWN_GPUS["sm_80"], "A100", "cuda", 80, 32,
                     registers=65536, max_resident=64, max_blocks=32, shared_memory_per_unit=164 * 1024),
 }
+
+
+def targets_from_flag(parser, text: str) -> list[str]:
+    """The target names of a comma-separated --targets flag; an empty or unknown one is the parser's error."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or any(name not in TARGETS for name in names):
+        parser.error(f"--targets: choose from {','.join(TARGETS)} (got {text!r})")
+    return names

@@ -103,6 +103,25 @@ def _prefetches(block_d: int) -> bool:
     """Whether the backward kernel loads its next tile early for rows of block_d features (see above)."""
     return not is_rocm() and block_d >= PREFETCH_FROM_FEATURES
 
+# One vector width for every tensor of a backward tile. Triton lays each load and store out by its own element size
+# (16 bytes a thread: 4 float32 or 8 bfloat16 values), and under bfloat16 autocast the tile mixes both: h, the
+# residual's gradient and grad_h in float32, grad_normed and grad_h's copy in bfloat16. The compiler then kept the
+# arithmetic in the bfloat16 loads' layout and moved every tile's float32 grad_h through shared memory into the
+# float32 store's layout (a convert_layout in the loop, and a barrier, at every width: compiled for sm_90 and
+# gfx942). Told that a row's columns come in runs of VECTOR, where VECTOR is what 16 bytes hold of the widest
+# dtype, every load and store takes one layout (the 16-bit ones as 8-byte vectors) and the loop has no such move
+# (`python -m benchmarks.kernel_report.norm_layouts` counts them). Alone on an H200, the kernel before against this
+# one: 41.0 -> 39.3 us at 8,192 x 1,024, 9.6 -> 8.0 us at 4,096 x 512, 5.4 -> 4.3 us at 1,024 x 256, and 72.6 ->
+# 73.2 us at 8,192 x 2,048 (one A/B); the tiny, small and medium steps 0.3-1.7% faster, the large one unchanged
+# (benchmarks/results/kernel_time/h200_norm_backward_one_layout.json). Not timed on AMD, where the compile also
+# frees registers (80 VGPRs instead of 86-91 from 512 features).
+VECTOR_BYTES = 16
+
+
+def _shared_vector(*dtypes: torch.dtype) -> int:
+    """Columns a thread reads and writes together in every tensor of a backward tile of these dtypes."""
+    return VECTOR_BYTES // max(dtype.itemsize for dtype in dtypes)
+
 # Ticket counters allocated per device: one per group and one for the groups. Programs are a few per SM, so
 # groups are far fewer than this on any GPU.
 MAX_TICKETS = 1024
@@ -181,11 +200,14 @@ def _add_rms_norm_backward_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,                 # rows handled together: a [BLOCK_ROWS, BLOCK_D] tile per iteration
     PREFETCH: tl.constexpr,                   # load the next tile before computing this one (see the loop)
+    VECTOR: tl.constexpr = 0,                 # columns a thread moves together in every tensor (0: each its own)
     PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
     wait_for_previous_kernel(PDL)
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
+    if VECTOR > 0:   # one layout for the tile's float32 and 16-bit tensors (see _shared_vector)
+        cols = tl.max_contiguous(cols, VECTOR)
     col_mask = cols < n_features
     weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     # This program's share of sum_rows(grad_normed * x_hat), in float32 however many rows it covers.
@@ -544,6 +566,8 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
         BLOCK_P=_partial_sums_per_load(largest_sum, block_d, num_warps),
         L2_LOAD="" if is_rocm() else ".cg",
         BLOCK_D=block_d, BLOCK_ROWS=block_rows, PREFETCH=_prefetches(block_d),
+        VECTOR=_shared_vector(h.dtype, grad_normed.dtype, grad_res.dtype, grad_h.dtype,
+                              *([] if grad_h_copy is None else [grad_h_copy.dtype])),
         num_warps=num_warps, **launch_options(h.device))
     return grad_h, grad_h_copy, grad_weight
 

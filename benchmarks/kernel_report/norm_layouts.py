@@ -66,9 +66,7 @@ def record_backward_launches(gpu, norm) -> list:
 
 def rows_for(target_name: str, norm) -> list[dict]:
     target = TARGETS[target_name]
-    compiled = {}
-    for launch in record_backward_launches(target.gpu, norm):
-        distinct_launches([launch], target, launch.path, compiled)
+    compiled = distinct_launches(record_backward_launches(target.gpu, norm), target, "bfloat16 step", {})
     rows = []
     for result, arguments in compiled.values():
         result = compile_one(result, arguments, target)

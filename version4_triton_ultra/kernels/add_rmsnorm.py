@@ -566,8 +566,7 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
         BLOCK_P=_partial_sums_per_load(largest_sum, block_d, num_warps),
         L2_LOAD="" if is_rocm() else ".cg",
         BLOCK_D=block_d, BLOCK_ROWS=block_rows, PREFETCH=_prefetches(block_d),
-        VECTOR=_shared_vector(h.dtype, grad_normed.dtype, grad_res.dtype, grad_h.dtype,
-                              *([] if grad_h_copy is None else [grad_h_copy.dtype])),
+        VECTOR=_shared_vector(*(t.dtype for t in (h, grad_normed, grad_res, grad_h, grad_h_copy) if t is not None)),
         num_warps=num_warps, **launch_options(h.device))
     return grad_h, grad_h_copy, grad_weight
 

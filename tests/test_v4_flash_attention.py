@@ -146,6 +146,38 @@ def test_rope_loop_bounds_with_other_tile_shapes(block_m, block_n, causal, monke
     check_packed_against_reference(fa, 2, 2, 45, 16, torch.float32, device, causal=causal, use_rope=True)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("block_m, block_n", [(16, 32), (32, 32), (16, 16)])
+def test_whole_blocks_without_row_masks_with_other_tile_shapes(block_m, block_n, causal, monkeypatch, device):
+    """64 positions are a whole number of blocks of every tile shape here, so the kernels run without their row
+    masks (WHOLE_BLOCKS): the forward, dq and dk/dv, with and without RoPE, against float64."""
+    monkeypatch.setattr(fa, "_launch_config", fixed_tiles(block_m, block_n))
+    assert fa._whole_blocks(64, fa._launch_config())
+    check_packed_against_reference(fa, 2, 2, 64, 16, torch.float32, device, causal=causal, use_rope=True)
+    check_packed_against_reference(fa, 2, 2, 64, 16, torch.float32, device, causal=causal, use_rope=False)
+
+
+@pytest.mark.parametrize("seq_len, block_m, block_n, whole", [(512, 64, 64, True), (64, 32, 16, True),
+                                                               (48, 32, 16, False), (37, 16, 16, False),
+                                                               (1, 16, 16, False), (128, 128, 64, True)])
+def test_whole_blocks_only_when_no_block_runs_past_the_end(seq_len, block_m, block_n, whole):
+    assert fa._whole_blocks(seq_len, dict(BLOCK_M=block_m, BLOCK_N=block_n)) is whole
+
+
+def test_every_kernel_is_told_whether_its_blocks_are_whole(monkeypatch, device):
+    """The three launches ask _whole_blocks with the tiles they launch with: masks go only where a block of the
+    sequence runs past its end."""
+    asked = []
+    real = fa._whole_blocks
+    monkeypatch.setattr(fa, "_whole_blocks", lambda seq_len, config: asked.append(real(seq_len, config)) or asked[-1])
+    monkeypatch.setattr(fa, "_launch_config", fixed_tiles(32, 16))
+    for seq_len in (64, 40):
+        qkv = torch.randn(1, seq_len, 3 * 32, device=device)
+        out, lse = fa.packed_attention_forward(qkv, 2)
+        fa.packed_attention_backward(qkv, out, lse, torch.randn_like(out), 2)
+    assert asked == [True] * 3 + [False] * 3   # forward, dq, dk/dv at 64 positions, then at 40
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])

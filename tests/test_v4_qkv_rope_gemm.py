@@ -10,6 +10,7 @@ import torch
 from tinytransformer import triton_support
 from version4_triton_ultra.kernels import qkv_rope_gemm as qr
 from version4_triton_ultra.kernels import swiglu_gemm as sg
+from version4_triton_ultra.kernels.whole_tiles import whole_tiles as real_whole_tiles
 
 # poisoned_outputs: this file's autouse fixture (every allocated output starts as NaN)
 from .v4_kernel_checks import (  # noqa: F401
@@ -47,6 +48,20 @@ def check_qkv_rope(batch, seq_len, heads, head_dim, dtype, device, seed, n_in=No
                          ids=["rows not a multiple of the tile", "two heads of 32", "one head, whole tiles"])
 def test_qkv_rope_matches_reference(batch, seq_len, heads, head_dim, device):
     check_qkv_rope(batch, seq_len, heads, head_dim, torch.float32, device, seed=211, n_in=40)
+
+
+def test_qkv_rope_without_masks_on_whole_tiles(monkeypatch, device):
+    """32 rows, 2 heads of 16 (96 columns) and 32 inputs are whole numbers of the kernel tests' tiles: the kernel then
+    loads and stores without masks (whole_tiles.py), and must give the same result as the reference."""
+    asked = []
+
+    def recording(config, **sizes):
+        asked.append(real_whole_tiles(config, **sizes))
+        return asked[-1]
+    monkeypatch.setattr(qr, "whole_tiles", recording)
+    check_qkv_rope(2, 16, 2, 16, torch.float32, device, seed=215, n_in=32)
+    check_qkv_rope(2, 5, 3, 16, torch.float32, device, seed=217, n_in=40)
+    assert asked == [True, False]
 
 
 @pytest.mark.parametrize("heads, block_n", [(4, 32), (3, 64)], ids=["two heads per tile", "a tile of k and v"])

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from tinytransformer import triton_support
 from version4_triton_ultra.kernels import swiglu_gemm as sg
+from version4_triton_ultra.kernels.whole_tiles import whole_tiles
 
 # poisoned_outputs: this file's autouse fixture (every allocated output starts as NaN)
 from .v4_kernel_checks import (  # noqa: F401
@@ -48,8 +49,8 @@ def check_swiglu_gemm(n_rows, n_in, n_ffn, dtype, device, seed):
     assert_matches(grad_gate_up, ref_grad_gate_up, tolerance_dtype, "grad gate_up")
 
 
-@pytest.mark.parametrize("n_rows, n_in, n_ffn", [(37, 40, 24), (16, 16, 16), (5, 48, 40)],
-                         ids=["nothing a multiple of the tile", "one tile", "fewer rows than a tile"])
+@pytest.mark.parametrize("n_rows, n_in, n_ffn", [(37, 40, 24), (16, 16, 16), (5, 48, 40), (32, 48, 32)],
+                         ids=["nothing a multiple of the tile", "one tile", "fewer rows than a tile", "whole tiles"])
 def test_swiglu_gemm_matches_reference(n_rows, n_in, n_ffn, device):
     check_swiglu_gemm(n_rows, n_in, n_ffn, torch.float32, device, seed=191)
 
@@ -71,7 +72,8 @@ def test_swiglu_gemm_rejects_mismatched_operands(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n_rows", [1000, 16400], ids=["small tiles", "large tiles"])
+@pytest.mark.parametrize("n_rows", [1000, 16400, 1024, 16384],
+                         ids=["small tiles", "large tiles", "small tiles, whole", "large tiles, whole"])
 def test_swiglu_gemm_full_size_gpu(n_rows, dtype, device):
     check_swiglu_gemm(n_rows, 256, 512, dtype, device, seed=201)
 
@@ -81,3 +83,24 @@ def test_swiglu_gemm_refuses_more_row_blocks_than_the_grid_allows(monkeypatch, d
     x, weight = torch.ones(200, 16, device=device), torch.ones(32, 16, device=device)
     with pytest.raises(ValueError, match="row blocks"):
         sg.gate_up_swiglu(x, weight)
+
+
+@pytest.mark.parametrize("sizes, whole", [(dict(M=1024, N=512, K=256), True), (dict(M=1000, N=512, K=256), False),
+                                          (dict(M=1024, N=520, K=256), False), (dict(M=1024, N=512, K=250), False),
+                                          (dict(M=64, N=64), True)])
+def test_whole_tiles_only_when_every_size_is_a_whole_number_of_its_tile(sizes, whole):
+    assert whole_tiles(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), **sizes) is whole
+
+
+def test_each_launch_is_told_whether_its_tiles_are_whole(monkeypatch, device):
+    """Both kernels ask whole_tiles with the sizes and tiles they launch with (then run without masks), and the
+    results are right either way: 32 x 48 x 32 is whole in the 16-wide tiles of the kernel tests, 37 x 40 x 24 not."""
+    asked = []
+
+    def recording(config, **sizes):
+        asked.append(whole_tiles(config, **sizes))
+        return asked[-1]
+    monkeypatch.setattr(sg, "whole_tiles", recording)
+    check_swiglu_gemm(32, 48, 32, torch.float32, device, seed=197)
+    check_swiglu_gemm(37, 40, 24, torch.float32, device, seed=199)
+    assert asked == [True, True, False, False]   # forward, backward; then the same at the ragged size

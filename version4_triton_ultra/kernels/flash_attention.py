@@ -72,6 +72,7 @@ import triton.language as tl
 from tinytransformer.triton_support import (MAX_GRID_SECOND_AXIS, interpreter_active, interpreter_block, is_rocm,
                                             shared_memory_per_program, small_interpreter_blocks)
 from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
+from version4_triton_ultra.kernels.whole_tiles import whole_tiles
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -562,7 +563,7 @@ def _whole_blocks(seq_len: int, config: dict) -> bool:
     dim 128) backward 392.7 -> 378.0 us, forward 111.8 -> 113.2 us (the large preset takes cuDNN's attention);
     the same outputs. The graph-captured steps moved less than their rounds spread, in the same direction:
     seed model -0.3% in bfloat16, small -2.7%, medium -0.2% (version 4's README, "Attention without row masks")."""
-    return seq_len % config["BLOCK_M"] == 0 and seq_len % config["BLOCK_N"] == 0
+    return whole_tiles(config, M=seq_len, N=seq_len)
 
 
 def _portable_launch_config(head_dim: int, dtype: torch.dtype, kernel: str) -> dict:

@@ -35,6 +35,7 @@ from tinytransformer.triton_support import (interpreter_active, interpreter_bloc
 from version4_triton_ultra.kernels.flash_attention import SUPPORTED_HEAD_DIMS, rotate_half
 from version4_triton_ultra.kernels.swiglu_gemm import MAX_ROW_BLOCKS, SUPPORTED_DTYPES, dot_precision
 from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
+from version4_triton_ultra.kernels.whole_tiles import load_tile, store_tile, whole_tiles
 
 
 @triton.jit
@@ -47,6 +48,7 @@ def _qkv_rope_kernel(
     n_rows, n_in, dim, seq_len,
     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WHOLE_TILES: tl.constexpr = False,   # every dimension a whole number of tiles: no masks (whole_tiles.py)
     PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
     """One program: rows [BLOCK_M] x columns [BLOCK_N] of qkv. Grid: (cdiv(3D, BLOCK_N), cdiv(N, BLOCK_M)); the
@@ -61,10 +63,8 @@ def _qkv_rope_kernel(
     for k_start in range(0, n_in, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         k_mask = ks < n_in
-        x = tl.load(x_ptr + rows[:, None] * n_in + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * n_in + ks[None, :], mask=col_mask[:, None] & k_mask[None, :],
-                    other=0.0)
+        x = load_tile(x_ptr + rows[:, None] * n_in + ks[None, :], row_mask[:, None] & k_mask[None, :], WHOLE_TILES)
+        w = load_tile(w_ptr + cols[:, None] * n_in + ks[None, :], col_mask[:, None] & k_mask[None, :], WHOLE_TILES)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
 
     # The epilogue. Round to the output dtype first, as a GEMM storing qkv would, then rotate q and k.
@@ -83,8 +83,8 @@ def _qkv_rope_kernel(
                                           BLOCK_M * heads_per_tile, HEAD_DIM), (BLOCK_M, heads_per_tile, HEAD_DIM))
         rotated = tl.reshape(heads * cos + swapped * sin, (BLOCK_M, BLOCK_N)).to(qkv_ptr.dtype.element_ty)
         qkv = tl.where((cols < 2 * dim)[None, :], rotated, qkv)   # a tile may end in v's first heads
-    tl.store(qkv_ptr + rows[:, None] * (3 * dim) + cols[None, :], qkv,
-             mask=row_mask[:, None] & col_mask[None, :])
+    store_tile(qkv_ptr + rows[:, None] * (3 * dim) + cols[None, :], qkv, row_mask[:, None] & col_mask[None, :],
+               WHOLE_TILES)
 
 
 def _new_output(shape, dtype, device):
@@ -214,5 +214,5 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
     grid = (triton.cdiv(width, config["BLOCK_N"]), triton.cdiv(n_rows, config["BLOCK_M"]))
     _qkv_rope_kernel[grid](x, weight, cos, sin, qkv, n_rows, n_in, dim, seq_len,
                            HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(x.dtype), **config,
-                           **launch_options(x.device))
+                           WHOLE_TILES=whole_tiles(config, M=n_rows, N=width, K=n_in), **launch_options(x.device))
     return qkv

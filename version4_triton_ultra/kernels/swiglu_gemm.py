@@ -32,6 +32,7 @@ from tinytransformer.triton_support import (MAX_GRID_SECOND_AXIS, interpreter_ac
                                             small_interpreter_blocks)
 from tinytransformer.precision import tf32_enabled
 from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
+from version4_triton_ultra.kernels.whole_tiles import load_tile, store_tile, whole_tiles
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -47,6 +48,7 @@ def _gate_up_swiglu_kernel(
     h_ptr,          # out: [n_rows, n_ffn] = silu(gate) * up
     n_rows, n_ffn, n_in,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WHOLE_TILES: tl.constexpr = False,   # every dimension a whole number of tiles: no masks (whole_tiles.py)
     PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
     """One program: rows [BLOCK_M] x columns [BLOCK_N] of gate, of up and of h. Grid: (cdiv(F, BLOCK_N),
@@ -61,12 +63,11 @@ def _gate_up_swiglu_kernel(
     for k_start in range(0, n_in, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         k_mask = ks < n_in
-        x = tl.load(x_ptr + rows[:, None] * n_in + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
+        x = load_tile(x_ptr + rows[:, None] * n_in + ks[None, :], row_mask[:, None] & k_mask[None, :], WHOLE_TILES)
         w_offsets = cols[:, None] * n_in + ks[None, :]
         w_mask = col_mask[:, None] & k_mask[None, :]
-        w_gate = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)
-        w_up = tl.load(w_ptr + n_ffn * n_in + w_offsets, mask=w_mask, other=0.0)   # row F + c of w
+        w_gate = load_tile(w_ptr + w_offsets, w_mask, WHOLE_TILES)
+        w_up = load_tile(w_ptr + n_ffn * n_in + w_offsets, w_mask, WHOLE_TILES)   # row F + c of w
         gate_acc = tl.dot(x, tl.trans(w_gate), gate_acc, input_precision=DOT_PRECISION)
         up_acc = tl.dot(x, tl.trans(w_up), up_acc, input_precision=DOT_PRECISION)
 
@@ -75,11 +76,11 @@ def _gate_up_swiglu_kernel(
     up = up_acc.to(gate_up_ptr.dtype.element_ty)
     out_mask = row_mask[:, None] & col_mask[None, :]
     gate_up_offsets = rows[:, None] * (2 * n_ffn) + cols[None, :]
-    tl.store(gate_up_ptr + gate_up_offsets, gate, mask=out_mask)
-    tl.store(gate_up_ptr + gate_up_offsets + n_ffn, up, mask=out_mask)
+    store_tile(gate_up_ptr + gate_up_offsets, gate, out_mask, WHOLE_TILES)
+    store_tile(gate_up_ptr + gate_up_offsets + n_ffn, up, out_mask, WHOLE_TILES)
     gate, up = gate.to(tl.float32), up.to(tl.float32)
     h = gate * tl.sigmoid(gate) * up
-    tl.store(h_ptr + rows[:, None] * n_ffn + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=out_mask)
+    store_tile(h_ptr + rows[:, None] * n_ffn + cols[None, :], h.to(h_ptr.dtype.element_ty), out_mask, WHOLE_TILES)
 
 
 @triton.jit
@@ -90,6 +91,7 @@ def _down_swiglu_backward_kernel(
     grad_gate_up_ptr,    # out: [n_rows, 2 * n_ffn]
     n_rows, n_ffn, n_out,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WHOLE_TILES: tl.constexpr = False,   # every dimension a whole number of tiles: no masks (whole_tiles.py)
     PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
     """One program: a [BLOCK_M, BLOCK_N] tile of dh = grad_y @ w_down, then the same tile of d(gate) and d(up).
@@ -103,23 +105,24 @@ def _down_swiglu_backward_kernel(
     for k_start in range(0, n_out, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         k_mask = ks < n_out
-        grad_y = tl.load(grad_y_ptr + rows[:, None] * n_out + ks[None, :],
-                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_down_ptr + ks[:, None] * n_ffn + cols[None, :], mask=k_mask[:, None] & col_mask[None, :],
-                    other=0.0)
+        grad_y = load_tile(grad_y_ptr + rows[:, None] * n_out + ks[None, :], row_mask[:, None] & k_mask[None, :],
+                           WHOLE_TILES)
+        w = load_tile(w_down_ptr + ks[:, None] * n_ffn + cols[None, :], k_mask[:, None] & col_mask[None, :],
+                      WHOLE_TILES)
         acc = tl.dot(grad_y, w, acc, input_precision=DOT_PRECISION)
 
     # The epilogue: SwiGLU's backward (see swiglu.py), on dh rounded as a GEMM writing it would round it.
     dh = acc.to(grad_gate_up_ptr.dtype.element_ty).to(tl.float32)
     out_mask = row_mask[:, None] & col_mask[None, :]
     offsets = rows[:, None] * (2 * n_ffn) + cols[None, :]
-    gate = tl.load(gate_up_ptr + offsets, mask=out_mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + offsets + n_ffn, mask=out_mask, other=0.0).to(tl.float32)
+    gate = load_tile(gate_up_ptr + offsets, out_mask, WHOLE_TILES).to(tl.float32)
+    up = load_tile(gate_up_ptr + offsets + n_ffn, out_mask, WHOLE_TILES).to(tl.float32)
     sig = tl.sigmoid(gate)
     grad_gate = dh * up * sig * (1.0 + gate * (1.0 - sig))
     grad_up = dh * gate * sig
-    tl.store(grad_gate_up_ptr + offsets, grad_gate.to(grad_gate_up_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(grad_gate_up_ptr + offsets + n_ffn, grad_up.to(grad_gate_up_ptr.dtype.element_ty), mask=out_mask)
+    store_tile(grad_gate_up_ptr + offsets, grad_gate.to(grad_gate_up_ptr.dtype.element_ty), out_mask, WHOLE_TILES)
+    store_tile(grad_gate_up_ptr + offsets + n_ffn, grad_up.to(grad_gate_up_ptr.dtype.element_ty), out_mask,
+               WHOLE_TILES)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -232,7 +235,9 @@ def gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor,
         config = _launch_config(x.dtype, n_rows, "forward", n_ffn, n_in)
         grid = _grid(n_rows, n_in, n_ffn, config)
         _gate_up_swiglu_kernel[grid](x, weight, gate_up, h, n_rows, n_ffn, n_in,
-                                     DOT_PRECISION=dot_precision(x.dtype), **config, **launch_options(x.device))
+                                     DOT_PRECISION=dot_precision(x.dtype), **config,
+                                     WHOLE_TILES=whole_tiles(config, M=n_rows, N=n_ffn, K=n_in),
+                                     **launch_options(x.device))
     return gate_up, h
 
 
@@ -254,5 +259,6 @@ def down_swiglu_backward(grad_y: torch.Tensor, down_weight: torch.Tensor, gate_u
         grid = _grid(n_rows, n_out, n_ffn, config)
         _down_swiglu_backward_kernel[grid](grad_y, down_weight, gate_up, grad_gate_up, n_rows, n_ffn, n_out,
                                            DOT_PRECISION=dot_precision(grad_y.dtype), **config,
+                                           WHOLE_TILES=whole_tiles(config, M=n_rows, N=n_ffn, K=n_out),
                                            **launch_options(grad_y.device))
     return grad_gate_up

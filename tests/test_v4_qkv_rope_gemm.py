@@ -45,14 +45,18 @@ def check_qkv_rope(batch, seq_len, heads, head_dim, dtype, device, seed, n_in=No
 
 
 @pytest.mark.parametrize("batch, seq_len, heads, head_dim", [(2, 5, 3, 16), (1, 37, 2, 32), (3, 16, 1, 16)],
-                         ids=["rows not a multiple of the tile", "two heads of 32", "one head, whole tiles"])
+                         ids=["rows not a multiple of the tile", "two heads of 32", "one head, whole row tiles"])
 def test_qkv_rope_matches_reference(batch, seq_len, heads, head_dim, device):
     check_qkv_rope(batch, seq_len, heads, head_dim, torch.float32, device, seed=211, n_in=40)
 
 
 def test_qkv_rope_without_masks_on_whole_tiles(monkeypatch, device):
-    """32 rows, 2 heads of 16 (96 columns) and 32 inputs are whole numbers of the kernel tests' tiles: the kernel then
-    loads and stores without masks (whole_tiles.py), and must give the same result as the reference."""
+    """32 rows, 2 heads of 16 (96 columns) and 32 inputs are whole numbers of 16-wide tiles: the kernel then loads and
+    stores without masks (whole_tiles.py), and must give the same result as the reference. The tiles are pinned to 16
+    on every device (a GPU's own launch takes 64 or 128 rows, in which 32 rows are not whole)."""
+    monkeypatch.setattr(qr, "_launch_config", lambda *args: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1,
+                                                                    num_stages=1))
+    monkeypatch.setattr(qr, "_fit_shared_memory", lambda config, *args: config)
     asked = []
 
     def recording(config, **sizes):

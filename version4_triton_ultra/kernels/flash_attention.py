@@ -556,13 +556,10 @@ def _launch_config(head_dim: int, dtype: torch.dtype, seq_len: int, kernel: str,
 
 def _whole_blocks(seq_len: int, config: dict) -> bool:
     """Is the sequence a whole number of the launch's query blocks and of its key blocks? Then no block has a row
-    past the end, and the kernels load and store rows without a mask (their WHOLE_BLOCKS), which every preset's
-    sequence allows. On an H200, bfloat16, each form in a process of its own, three alternations
-    (benchmarks/results/kernel_time/h200_attention_whole_blocks.json): the medium preset's shape (16 x 16 heads x
-    512, head dim 64) forward 45.3 -> 42.3 us, backward 141.4 -> 139.8 us; the large one's (8 x 16 x 1,024, head
-    dim 128) backward 392.7 -> 378.0 us, forward 111.8 -> 113.2 us (the large preset takes cuDNN's attention);
-    the same outputs. The graph-captured steps moved less than their rounds spread, in the same direction:
-    seed model -0.3% in bfloat16, small -2.7%, medium -0.2% (version 4's README, "Attention without row masks")."""
+    past the end, and the kernels load the rows of q, k, v, dO, O and lse and store out, dv and (without RoPE) dq and
+    dk without a mask (their WHOLE_BLOCKS); every preset's sequence allows it. Measured on an H200 in version 4's
+    README ("Attention without row masks"): at the medium preset's shape 3 us less a forward, 1.6 us a backward."""
+    # Both axes of whole_tiles are the sequence here: BLOCK_M rows of queries, BLOCK_N rows of keys.
     return whole_tiles(config, M=seq_len, N=seq_len)
 
 

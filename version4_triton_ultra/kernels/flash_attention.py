@@ -72,7 +72,7 @@ import triton.language as tl
 from tinytransformer.triton_support import (MAX_GRID_SECOND_AXIS, interpreter_active, interpreter_block, is_rocm,
                                             shared_memory_per_program, small_interpreter_blocks)
 from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
-from version4_triton_ultra.kernels.whole_tiles import whole_tiles
+from version4_triton_ultra.kernels.whole_tiles import load_tile, store_tile, whole_tiles
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -135,15 +135,11 @@ def _load_rows(base, rows, row_stride, seq_len, HEAD_DIM: tl.constexpr, WHOLE_BL
 
     Rows past the end (the last block of a sequence whose length is not a multiple of the block) read 0.
     WHOLE_BLOCKS: the sequence is a whole number of blocks (_whole_blocks), so no row is past the end and the
-    load needs no mask.
+    load needs no mask (whole_tiles.py).
     """
     cols = tl.arange(0, HEAD_DIM)
     pointers = base + rows[:, None] * row_stride + cols[None, :]
-    if WHOLE_BLOCKS:
-        block = tl.load(pointers)
-    else:
-        block = tl.load(pointers, mask=rows[:, None] < seq_len, other=0.0)
-    return block
+    return load_tile(pointers, rows[:, None] < seq_len, WHOLE_BLOCKS)
 
 
 @triton.jit
@@ -151,10 +147,7 @@ def _store_rows(base, rows, row_stride, seq_len, block, HEAD_DIM: tl.constexpr, 
     """Write `block` ([len(rows), HEAD_DIM]) into rows `rows`, skipping rows past the end (none: WHOLE_BLOCKS)."""
     cols = tl.arange(0, HEAD_DIM)
     pointers = base + rows[:, None] * row_stride + cols[None, :]
-    if WHOLE_BLOCKS:
-        tl.store(pointers, block.to(base.dtype.element_ty))
-    else:
-        tl.store(pointers, block.to(base.dtype.element_ty), mask=rows[:, None] < seq_len)
+    store_tile(pointers, block.to(base.dtype.element_ty), rows[:, None] < seq_len, WHOLE_BLOCKS)
 
 
 @triton.jit

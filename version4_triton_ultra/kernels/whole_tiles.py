@@ -7,8 +7,8 @@ only cost instructions: the comparisons, and predicated copies where plain ones 
 (where version 4 runs these GEMMs) are whole numbers of the tiles the kernels take, so the kernels take the constexpr
 WHOLE_TILES: with it, load_tile and store_tile compile to plain loads and stores, and the mask expression, then
 unused, is dropped by the compiler. The wrapper asks whole_tiles(config, M=..., N=..., K=...) for each launch; any
-other shape keeps the masks (the small preset's feed-forward width, 1,376, for one). Version 4's attention does the
-same for its sequence (flash_attention.py, _whole_blocks).
+other shape keeps the masks (the small preset's feed-forward width, 1,376, for one). Version 4's attention uses the
+same helpers for the rows of its sequence (flash_attention.py: _whole_blocks, _load_rows, _store_rows).
 """
 import triton
 import triton.language as tl

@@ -345,11 +345,7 @@ def _probabilities(q, k, lse2, rows, cols, seq_len, sm_scale, MASKED: tl.constex
 @triton.jit
 def _load_lse2(Lse, rows, seq_len, WHOLE_BLOCKS: tl.constexpr):
     """lse * log2(e) of the rows (the base-2 log-sum-exp); +inf past the end, so that p is 0 there."""
-    if WHOLE_BLOCKS:
-        lse = tl.load(Lse + rows)
-    else:
-        lse = tl.load(Lse + rows, mask=rows < seq_len, other=float("inf"))
-    return lse * _LOG2E
+    return load_tile(Lse + rows, rows < seq_len, WHOLE_BLOCKS, other=float("inf")) * _LOG2E
 
 
 @triton.jit

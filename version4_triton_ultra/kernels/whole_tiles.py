@@ -15,12 +15,13 @@ import triton.language as tl
 
 
 @triton.jit
-def load_tile(pointers, mask, WHOLE_TILES: tl.constexpr):
-    """tl.load of a tile; lanes outside `mask` read 0, unless WHOLE_TILES says there are none."""
+def load_tile(pointers, mask, WHOLE_TILES: tl.constexpr, other=0.0):
+    """tl.load of a tile; lanes outside `mask` read `other` (0 unless said), unless WHOLE_TILES says there are
+    none."""
     if WHOLE_TILES:
         tile = tl.load(pointers)
     else:
-        tile = tl.load(pointers, mask=mask, other=0.0)
+        tile = tl.load(pointers, mask=mask, other=other)
     return tile
 
 

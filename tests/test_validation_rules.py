@@ -13,7 +13,7 @@ import torch
 from tinytransformer.checks import ConfigError, check_bool, check_choice, check_int, check_number, check_text
 from tinytransformer.config import ModelConfig, TrainConfig, load_yaml
 from tinytransformer.memory import REFUSE_ABOVE, Estimate, check_fits, estimate_run_bytes, host_available_bytes
-from tinytransformer.paths import prove_output_dir, prove_output_file
+from tinytransformer.paths import prove_output_dir, prove_output_file, refuse_output_over_input
 from tinytransformer.training.checkpoint import CheckpointError
 from tinytransformer.training.checkpoint.loading import read_checkpoint
 from tinytransformer.training.checkpoint.lock import LOCK_NAME, DirectoryLock
@@ -287,3 +287,19 @@ def test_divergence_in_a_real_process(tmp_path):
                              "--warmup-steps", "0"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
     assert "training diverged" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_output_naming_an_input_file_is_refused(tmp_path):
+    source = tmp_path / "config.yaml"
+    source.write_text("num_steps: 2\n")
+    # The same file however it is spelled: directly, through `..`, through a link.
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.yaml").symlink_to(source)
+    for spelling in (source, tmp_path / "sub" / ".." / "config.yaml", tmp_path / "link.yaml"):
+        with pytest.raises(ConfigError, match="is the file --config reads"):
+            refuse_output_over_input([("--output-json", str(spelling))], [("--config", str(source))])
+    # Another file, an absent input, or no output at all: nothing to refuse.
+    refuse_output_over_input([("--output-json", str(tmp_path / "out.json"))], [("--config", str(source))])
+    refuse_output_over_input([("--output-json", str(tmp_path / "out.json"))], [("--resume", None)])
+    refuse_output_over_input([("--output-json", None)], [("--config", str(source))])
+    assert source.read_text() == "num_steps: 2\n"

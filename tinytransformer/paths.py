@@ -130,3 +130,24 @@ def prove_outputs(*outputs: tuple[str, str | Path | None, str]) -> None:
         if path is None:
             continue
         (prove_output_dir if kind == "dir" else prove_output_file)(path, flag)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: the same inode where both exist (links, `..`, a second spelling), else
+    the same absolute path."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def refuse_output_over_input(outputs, inputs) -> None:
+    """No output may replace a file the command reads: each of `outputs` and `inputs` is (flag, path or None), and
+    an output naming the same file as an input is one line (ConfigError) before any work, not an overwritten
+    input after it."""
+    for out_flag, out_path in outputs:
+        if out_path is None:
+            continue
+        for in_flag, in_path in inputs:
+            if in_path is not None and _same_file(Path(out_path), Path(in_path)):
+                raise ConfigError(f"{out_flag} {out_path} is the file {in_flag} reads; write the output elsewhere")

@@ -10,7 +10,9 @@ would train with a value the user did not mean.
 from __future__ import annotations
 
 import math
-
+import os
+import stat
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -21,6 +23,8 @@ class ConfigError(ValueError):
 # that products of a few of them stay inside int64 tensor arithmetic and numpy's index types.
 INT_LIMIT = 2**31 - 1
 SEED_LIMIT = 2**63 - 1   # seeds feed numpy's uint64 hashing and torch.manual_seed
+# A settings file (a YAML config, a DeepSpeed JSON) is a few hundred bytes; one this large is not one.
+SETTINGS_FILE_LIMIT = 4 * 2**20
 
 
 def _kind(value) -> str:
@@ -112,3 +116,35 @@ def parse_number(text: str, name: str, positive: bool = False, minimum: float | 
     except ValueError:
         raise ConfigError(f"{name} must be a number, got {text!r}") from None
     return check_number(name, value, positive=positive, minimum=minimum)
+
+
+# -- files a command reads -------------------------------------------------------------------------------------
+def check_input_file(path, what: str, max_bytes: int | None = None) -> Path:
+    """A file a command reads (`what`: "config", "--data text:"): it must exist and be a regular file. A directory
+    cannot be read, a device such as /dev/zero never ends (reading it fills the memory) and a pipe can block
+    forever; `max_bytes` bounds files that have no business being large. Returns the path."""
+    path = Path(path)
+    try:
+        info = path.stat()
+    except OSError as error:
+        raise ConfigError(f"cannot read {what} {path}: {error.strerror or error}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"{what} {path} is a directory, not a file")
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{what} {path} is not a regular file (a device, a pipe or a socket cannot be read as one)")
+    if max_bytes is not None and info.st_size > max_bytes:
+        raise ConfigError(f"{what} {path} is {info.st_size:,} bytes; a {what} file holds at most {max_bytes:,}")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"cannot read {what} {path}: permission denied")
+    return path
+
+
+def read_settings_text(path, what: str) -> str:
+    """The text of a small settings file (a YAML config, a DeepSpeed JSON), checked by check_input_file first."""
+    path = check_input_file(path, what, SETTINGS_FILE_LIMIT)
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"cannot read {what} {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path} is not a text (UTF-8) file") from None

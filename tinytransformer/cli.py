@@ -61,6 +61,30 @@ class OneLineParser(argparse.ArgumentParser):
         let_rank_zero_report()
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n" if is_main_process() else None)
 
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        for option, switch_dest, switch in vars(namespace).pop(NEEDS_SWITCH_KEY, []):
+            if not getattr(namespace, switch_dest, None):
+                self.error(f"{option} only applies with {switch}: add {switch}, or drop {option}")
+        return namespace, extras
+
+
+# Where needs_switch's action notes, during parsing, the options that were given (popped again after parsing).
+NEEDS_SWITCH_KEY = "_options_needing_a_switch"
+
+
+def needs_switch(switch_dest: str, switch: str) -> type[argparse.Action]:
+    """The argparse action of an option that means something only together with an on/off `switch` (e.g.
+    --torch-compile-mode without --enable-torch-compile): given without it, the command line is one line of error
+    instead of an option silently ignored. OneLineParser checks it once every flag is parsed (flags come in any
+    order)."""
+    class StoreNeedingSwitch(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            setattr(namespace, self.dest, values)
+            noted = getattr(namespace, NEEDS_SWITCH_KEY, [])
+            setattr(namespace, NEEDS_SWITCH_KEY, noted + [(option_string, switch_dest, switch)])
+    return StoreNeedingSwitch
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help that shows each default once. The harness's flags default to None (so that a flag given can be told
@@ -95,6 +119,10 @@ non_negative_int = _flag_type(parse_int, 0)
 seed_int = _flag_type(parse_int, 0, SEED_LIMIT)
 positive_float = _flag_type(parse_number, positive=True)
 non_negative_float = _flag_type(parse_number, minimum=0.0)
+# Eager steps before a CUDA/HIP graph is captured (versions 2 and 4): a few make the optimizer state and compile the
+# code; more than this only postpones the capture the flag asks for. (The lower bound, 1, is the versions' check.)
+GRAPH_WARMUP_LIMIT = 1000
+graph_warmup_int = _flag_type(parse_int, None, GRAPH_WARMUP_LIMIT)
 
 
 def parse_or_exit_code(parser: argparse.ArgumentParser, argv) -> argparse.Namespace | int:
@@ -182,7 +210,8 @@ def build_parser(spec: VersionSpec, prog: str | None = None) -> argparse.Argumen
     keep.add_argument("--eval-every", type=non_negative_int,
                       help="report the held-out (validation) loss every N steps and at the end; 0 = never [0]")
     keep.add_argument("--eval-batches", type=positive_int,
-                      help="batches per validation: the same fixed batches every time [8]")
+                      help="batches per validation: the same fixed batches every time; at most as many as hold "
+                           "every window of the validation split once [8]")
     keep.add_argument("--save-every", type=non_negative_int,
                       help="write a checkpoint every N steps and at the end; 0 = only when stopped by "
                            "Ctrl-C / SIGTERM, and only with --checkpoint-dir or --resume [0]")

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from .checks import (SEED_LIMIT, ConfigError, check_bool, check_choice, check_int, check_number,  # noqa: F401
-                     check_text)
+                     check_text, read_settings_text)
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 MIN_VOCAB = 2   # one token: every target is that token, the loss is 0 by construction and nothing is learned
@@ -167,7 +167,7 @@ def check_zero_stage(stage) -> None:
         raise ConfigError("ZeRO stage 3 is not supported here: it partitions the parameters themselves, and the "
                           "harness needs whole parameters on every rank (load_canonical, checkpoints, validation); "
                           "use --zero-stage 0, 1 or 2")
-    if stage not in (0, 1, 2) or isinstance(stage, bool):
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2):
         raise ConfigError(f"--zero-stage must be 0, 1 or 2, got {stage!r}")
 
 
@@ -237,27 +237,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_yaml(path: str | Path) -> dict:
     """Read a config file: a mapping with optional 'model' and 'train' sections (or flat keys)."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise ConfigError(f"cannot read config {path}: {error.strerror or error}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"config {path} is not a text (UTF-8) file") from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
-    except _RepeatedKey as error:
-        raise ConfigError(f"config {path}: {error}") from None
-    except yaml.YAMLError as error:
-        first_line = str(error).splitlines()[0]
-        raise ConfigError(f"config {path} is not valid YAML: {first_line}") from None
+    data = _parse_yaml(read_settings_text(path, "config"), path)
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping of settings, got {type(data).__name__}")
     flat = {}
     for key, value in data.items():
+        _require_setting_name(key, path)
         section = value if key in ("model", "train") and isinstance(value, dict) else {key: value}
         for name, setting in section.items():
+            _require_setting_name(name, path)
             if name in flat:   # e.g. hidden_dim in the model section and again at the top level
                 raise ConfigError(f"config {path}: setting {name} is given twice")
             flat[name] = setting
@@ -265,6 +255,24 @@ def load_yaml(path: str | Path) -> dict:
     if unknown:
         raise ConfigError(f"config {path}: unknown setting(s) {', '.join(unknown)}")
     return flat
+
+
+def _parse_yaml(text: str, path: Path):
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except _RepeatedKey as error:
+        raise ConfigError(f"config {path}: {error}") from None
+    except yaml.YAMLError as error:
+        first_line = str(error).splitlines()[0]
+        raise ConfigError(f"config {path} is not valid YAML: {first_line}") from None
+    except RecursionError:   # the parser recurses once per level of nesting; no setting nests like this
+        raise ConfigError(f"config {path} is nested too deeply to be a config file") from None
+
+
+def _require_setting_name(key, path: Path) -> None:
+    """YAML allows keys of any type (`1: 2`, `[a]: b`); a setting's name is text."""
+    if not isinstance(key, str):
+        raise ConfigError(f"config {path}: setting names are text, got the key {key!r} ({type(key).__name__})")
 
 
 def split_settings(settings: dict) -> tuple[dict, dict]:

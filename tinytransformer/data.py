@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .checks import check_input_file
 from .config import ConfigError
 
 # The Markov language is fixed per vocabulary size (it is "the language"); the run's seed only picks samples.
@@ -151,6 +152,7 @@ def _random_corpus(vocab_size: int, seq_len: int, seed: int, device) -> tuple[Co
 # skipped. The exact bytes therefore depend on the Python version: compare losses only between runs on the
 # same Python (the run header prints the version and the byte count).
 STDLIB_TEXT = "stdlib"
+TEXT_FILE = "--data text file"   # how messages name the file of --data text:PATH
 STDLIB_MODULES = (
     "argparse", "ast", "base64", "bdb", "calendar", "codecs", "configparser", "contextlib", "copy", "csv",
     "dataclasses", "datetime", "difflib", "dis", "doctest", "enum", "fractions", "ftplib", "functools",
@@ -185,14 +187,20 @@ def stdlib_text_bytes() -> bytes:
     return data
 
 
+def text_file_of(data: str) -> str | None:
+    """The file a --data choice reads: PATH of text:PATH; None for markov, random and text:stdlib."""
+    if data.startswith("text:") and data != f"text:{STDLIB_TEXT}":
+        return data[len("text:"):]
+    return None
+
+
 def read_text_bytes(path: str | Path) -> bytes:
-    path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"--data text:{path} is a directory, not a file")
+    """The bytes of a --data text:PATH file; a directory, a device or a pipe is one line (check_input_file)."""
+    path = check_input_file(path, TEXT_FILE)
     try:
         return path.read_bytes()
     except OSError as error:
-        raise ConfigError(f"cannot read text file {path}: {error.strerror or error}") from None
+        raise ConfigError(f"cannot read {TEXT_FILE} {path}: {error.strerror or error}") from None
 
 
 def _text_corpus(path: str, vocab_size: int, seq_len: int, device) -> tuple[Corpus, Corpus]:

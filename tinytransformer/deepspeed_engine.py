@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from pathlib import Path
 
 import torch
 
+from .checks import read_settings_text
 from .config import ConfigError, TrainConfig, check_zero_stage
 from .distributed import DistributedContext, is_main_process, launched_by_torchrun, launcher_int
 
@@ -55,15 +55,13 @@ def read_deepspeed_config(path: str | None) -> dict:
     """The user's DeepSpeed JSON file (or {}), checked to be a JSON object."""
     if path is None:
         return {}
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"cannot read --deepspeed-config {path}: {getattr(error, 'strerror', None) or error}") \
-            from None
+    text = read_settings_text(path, "--deepspeed-config")
     try:
         settings = json.loads(text)
     except json.JSONDecodeError as error:
         raise ConfigError(f"--deepspeed-config {path} is not valid JSON: {error}") from None
+    except RecursionError:   # the decoder recurses once per level of nesting
+        raise ConfigError(f"--deepspeed-config {path} is nested too deeply to be a DeepSpeed config") from None
     if not isinstance(settings, dict):
         raise ConfigError(f"--deepspeed-config {path} must hold a JSON object, got {type(settings).__name__}")
     return settings
@@ -89,7 +87,7 @@ def build_deepspeed_config(train: TrainConfig, world_size: int, file_settings: d
             raise ConfigError(f"the DeepSpeed config sets {key}={config[key]!r}, but this run needs {value} "
                               f"(--batch-size {train.batch_size} per rank x {world_size} rank(s)); remove it")
         config[key] = value
-    zero = dict(config.get("zero_optimization") or {})
+    zero = dict(_section(config, "zero_optimization"))
     if train.zero_stage is not None:
         zero["stage"] = train.zero_stage
     zero.setdefault("stage", 0)
@@ -97,13 +95,32 @@ def build_deepspeed_config(train: TrainConfig, world_size: int, file_settings: d
     config["zero_optimization"] = zero
     wanted = train.amp_dtype if train.use_amp else None
     for section, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
-        enabled_in_file = bool((config.get(section) or {}).get("enabled", False))
+        enabled_in_file = _switch(_section(config, section), section, "enabled")
         if enabled_in_file and wanted != dtype:
             raise ConfigError(f"the DeepSpeed config enables '{section}'; request it with --use-amp --amp-dtype "
                               f"{dtype} instead (the run's precision comes from the flags)")
-        config[section] = {**(config.get(section) or {}), "enabled": wanted == dtype}
+        config[section] = {**_section(config, section), "enabled": wanted == dtype}
     config.setdefault("steps_per_print", 2**31 - 1)   # the harness prints its own step lines
     return config
+
+
+def _section(config: dict, name: str) -> dict:
+    """A section of the DeepSpeed config that this file reads: absent, null or a JSON object; anything else
+    (`"zero_optimization": 5`) is one line, not a crash further down."""
+    value = config.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"the DeepSpeed config's '{name}' must be a JSON object, got {value!r}")
+    return value
+
+
+def _switch(section: dict, section_name: str, key: str) -> bool:
+    """A true/false entry of a section: a JSON boolean, not the string "false" (which bool() would call true)."""
+    value = section.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"the DeepSpeed config's '{section_name}.{key}' must be true or false, got {value!r}")
+    return value
 
 
 def prepare_deepspeed(train: TrainConfig, device: torch.device, env=os.environ) -> dict:

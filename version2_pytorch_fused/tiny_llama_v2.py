@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
-from tinytransformer.cli import VersionSpec, run  # noqa: E402
+from tinytransformer.cli import GRAPH_WARMUP_LIMIT, VersionSpec, graph_warmup_int, needs_switch, run  # noqa: E402
 from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402
 from tinytransformer.precision import (  # noqa: E402
     add_tf32_arguments, apply_tf32_argument, describe_float32_matmuls)
@@ -319,15 +319,17 @@ def add_arguments(group):
     group.add_argument("--enable-torch-compile", action="store_true", default=False,
                        help="compile the model with torch.compile (first steps are slow: compilation)")
     group.add_argument("--torch-compile-mode", choices=["default", "reduce-overhead", "max-autotune"],
-                       default="default", help="reduce-overhead replays CUDA/HIP graphs; max-autotune also "
+                       default="default", action=needs_switch("enable_torch_compile", "--enable-torch-compile"),
+                       help="reduce-overhead replays CUDA/HIP graphs; max-autotune also "
                        "times several kernels per GEMM (minutes of compilation)")
     group.add_argument("--compile-optimizer", action="store_true", default=False,
                        help="compile the optimizer step with torch.compile (replaces the fused AdamW)")
     group.add_argument("--cuda-graph", action="store_true", default=False,
                        help="capture the whole training step (forward, backward, AdamW) in one CUDA/HIP graph and "
                             "replay it (GPU only; with torch.compile, its default mode)")
-    group.add_argument("--graph-warmup-steps", type=int, default=3,
-                       help="eager steps before the capture (they make the optimizer state and compile the code)")
+    group.add_argument("--graph-warmup-steps", type=graph_warmup_int, default=3,
+                       help=f"eager steps before the capture (they make the optimizer state and compile the code); "
+                            f"at most {GRAPH_WARMUP_LIMIT}")
     add_tf32_arguments(group)
 
 

@@ -74,7 +74,8 @@ from tinytransformer.triton_support import enable_interpreter_if_no_gpu, interpr
 enable_interpreter_if_no_gpu()  # must precede the first `import triton` (inside the kernel modules)
 
 from tinytransformer import distributed  # noqa: E402
-from tinytransformer.cli import VersionSpec, build_parser, resolve_configs, run  # noqa: E402
+from tinytransformer.cli import (GRAPH_WARMUP_LIMIT, VersionSpec, build_parser, graph_warmup_int,  # noqa: E402
+                                 resolve_configs, run)
 from tinytransformer.config import ConfigError, ModelConfig, head_dim_advice  # noqa: E402
 from tinytransformer.cublas_workspace import (  # noqa: E402
     add_cublas_workspace_argument, apply_cublas_workspace_argument, describe_cublas_workspace)
@@ -475,8 +476,8 @@ def add_arguments(group):
     group.add_argument("--torch-adamw", action="store_true",
                        help="update the weights with torch.optim.AdamW(fused=True) and copy the bfloat16 weights "
                             "in a kernel of their own, instead of version 4's Triton AdamW (to compare)")
-    group.add_argument("--graph-warmup-steps", type=int, default=3,
-                       help="eager steps before the graph is captured")
+    group.add_argument("--graph-warmup-steps", type=graph_warmup_int, default=3,
+                       help=f"eager steps before the graph is captured; at most {GRAPH_WARMUP_LIMIT}")
     group.add_argument("--embedding-grad-sync", choices=graphed_step.EMBEDDING_GRAD_SYNC, default="auto",
                        help="under torchrun, in the graph-captured step: sum the embedding's gradient over the "
                             "ranks by all-reducing the table (table) or by gathering every rank's token rows (rows); "

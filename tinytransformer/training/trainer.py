@@ -36,12 +36,13 @@ from ..device import reset_peak_memory, resolve_device, synchronize
 from ..gradient_sync import GradientAllReduce
 from ..outputs import write_json
 from ..weights import init_canonical_weights
+from .checkpoint.files import is_planned_save
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.state import restore_rng_state, restore_scaler
 from .console import log_step, print_header, print_summary
 from .divergence import check_losses
 from .metrics import collect_metrics
-from .preflight import check_run_fits, prove_run_outputs
+from .preflight import check_run_fits, prove_run_outputs, settings_files
 from .progress import Progress
 from .schedule import learning_rate_at, make_learning_rate_a_tensor, schedule_varies, set_learning_rate
 from .step import EagerStep, default_optimizer
@@ -78,7 +79,7 @@ class Trainer:
         self.deepspeed_config = (deepspeed_engine.prepare_deepspeed(train, self.device) if train.uses_deepspeed
                                  else None)
         if distributed.is_main_process():   # before any work: an output that cannot be written is one line now
-            prove_run_outputs(train)
+            prove_run_outputs(train, settings_files(args))
         # Data parallel: join the job torchrun started (a no-op otherwise); each rank then uses its own GPU.
         self.dist = distributed.setup(train, self.device)
         self.device = self.dist.device
@@ -258,7 +259,7 @@ class Trainer:
                     # Validation and checkpoints run between the timed regions: they never count as step time.
                     if self.validation.due(steps_done):
                         self.validation.run(steps_done, self.log, self.progress, self.writer)
-                    if train.save_every and (steps_done % train.save_every == 0 or steps_done == train.num_steps):
+                    if is_planned_save(steps_done, train.num_steps, train.save_every):
                         self.checkpoints.save(self, steps_done)
             except StepAbandoned as caught:
                 # The run ends as if it had stopped after the last completed step: the abandoned step's gradients

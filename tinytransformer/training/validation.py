@@ -9,10 +9,12 @@ import time
 
 import torch
 
-from ..config import TrainConfig
+from ..config import ConfigError, TrainConfig
 from ..data import BatchStream
 from .step import autocast_context
 from .stopping import may_abandon
+
+DEFAULT_EVAL_BATCHES = TrainConfig.eval_batches   # the dataclass default: 8
 
 
 @torch.no_grad()
@@ -31,6 +33,18 @@ def validation_loss(model, stream: BatchStream, num_batches: int, device, train:
     return (total / num_batches).item()
 
 
+def check_eval_batches(train: TrainConfig, stream: BatchStream, world_size: int) -> None:
+    """--eval-batches may ask for as many batches as the validation split has windows (more would repeat the same
+    windows: no new information, only time), or for the default number, whatever the split's size."""
+    global_batch = train.batch_size * world_size
+    covering = -(-stream.num_positions // global_batch)   # batches that hold every window once
+    limit = max(covering, DEFAULT_EVAL_BATCHES)
+    if train.eval_batches > limit:
+        raise ConfigError(f"--eval-batches {train.eval_batches} is more than the validation split holds: its "
+                          f"{stream.num_positions:,} windows of --seq-len {train.seq_len} fill {covering:,} "
+                          f"batch(es) of {global_batch}; use at most {limit:,}")
+
+
 class Validation:
     """When validation is due, the measurement itself, and its history ([step, loss] pairs, kept in checkpoints)."""
 
@@ -39,6 +53,8 @@ class Validation:
         self.optimum = optimum              # the data's optimum loss, when it is known (Markov data)
         self.history: list[list] = []
         self.seconds = 0.0                  # spent validating in this process
+        if train.eval_every:
+            check_eval_batches(train, stream, dist.world_size)
 
     def due(self, steps_done: int) -> bool:
         train = self.train

@@ -17,9 +17,8 @@ def checkpoint_path(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"ckpt_step{step:08d}.pt"
 
 
-def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint file in `directory`, oldest first; temporary files are not listed."""
-    directory = Path(directory)
+def _entries_named_like_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every entry of `directory` with a checkpoint's name, whatever it is (file or not)."""
     if not directory.is_dir():
         return []
     try:
@@ -29,9 +28,28 @@ def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
     found = []
     for path in entries:
         match = FILE_PATTERN.match(path.name)
-        if match and path.is_file():
+        if match:
             found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint file in `directory`, oldest first; temporary files are not listed."""
+    return [(step, path) for step, path in _entries_named_like_checkpoints(Path(directory)) if path.is_file()]
+
+
+def is_planned_save(step: int, num_steps: int, save_every: int, after_step: int = 0) -> bool:
+    """Whether a run of `num_steps` steps (resumed after `after_step`) writes the checkpoint of `step`: every
+    `save_every` steps and at the end (the trainer's rule), none when save_every is 0."""
+    return bool(save_every) and after_step < step <= num_steps and (step % save_every == 0 or step == num_steps)
+
+
+def planned_checkpoints_present(directory: str | Path, num_steps: int, save_every: int,
+                                after_step: int = 0) -> list[tuple[int, Path]]:
+    """The entries already in `directory` under the name of a checkpoint this run will write: a file there is
+    replaced; anything else (a directory) would make that save fail after the training it records."""
+    return [(step, path) for step, path in _entries_named_like_checkpoints(Path(directory))
+            if is_planned_save(step, num_steps, save_every, after_step)]
 
 
 def _write_payload(payload: dict, file) -> None:

@@ -13,6 +13,8 @@ from ...config import TRAIN_FIELDS, ConfigError, ModelConfig, TrainConfig
 from ...weights import check_canonical
 from . import FORMAT, FORMAT_VERSION, CheckpointError
 from .files import list_checkpoints
+from .restored_fields import (require_histories, require_optimizer_scalars, require_optimizer_tensor_kinds,
+                              require_rng_states, require_scaler_state)
 
 ZIP_MAGIC = b"PK\x03\x04"   # torch.save writes a zip archive; every file it writes starts with these bytes
 
@@ -46,6 +48,8 @@ def read_checkpoint(path: str | Path) -> dict:
     if path.is_dir():
         raise CheckpointError(f"checkpoint {path} is a directory; give a checkpoint file, or --resume auto "
                               f"with --checkpoint-dir {path}")
+    if not path.is_file():   # a device or a pipe: reading it could never end, or block
+        raise CheckpointError(f"checkpoint {path} is not a regular file")
     try:
         with open(path, "rb") as file:
             magic = file.read(len(ZIP_MAGIC))
@@ -104,29 +108,16 @@ def validate_structure(payload, path) -> None:
     for key, tensors in optimizer["per_parameter"].items():
         require(isinstance(tensors, dict), f"optimizer state '{key}' is not a mapping")
         _require_canonical(tensors, config, f"optimizer state '{key}'", require)
-    losses = payload["history"].get("train_loss")
-    require(isinstance(losses, list) and len(losses) == payload["step"]
-            and all(isinstance(v, float) for v in losses),
-            "the loss history does not have one value per completed step")
-    evals = payload["history"].get("eval")
-    require(isinstance(evals, list) and all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], int)
-                                            and isinstance(e[1], float) for e in evals),
-            "the validation history is missing or malformed")
-    require(payload.get("grad_scaler") is None or isinstance(payload["grad_scaler"], dict),
-            "the loss-scaler state is not a mapping")
-    _require_rng_states(payload["rng"], require)
-
-
-def _require_rng_states(rng: dict, require) -> None:
-    numpy_state, python_state = rng.get("numpy"), rng.get("python")
-    require(isinstance(rng.get("torch"), torch.Tensor) and rng["torch"].dtype == torch.uint8
-            and isinstance(rng.get("cuda"), list) and isinstance(numpy_state, dict)
-            and isinstance(python_state, dict), "random-number states are missing")
-    require(isinstance(numpy_state.get("keys"), torch.Tensor) and numpy_state["keys"].shape == (624,)
-            and isinstance(numpy_state.get("pos"), int) and isinstance(numpy_state.get("kind"), str),
-            "the numpy random-number state is malformed")
-    require(isinstance(python_state.get("internal"), list) and len(python_state["internal"]) == 625
-            and isinstance(python_state.get("version"), int), "the python random-number state is malformed")
+    require_optimizer_scalars(optimizer["scalars"], payload["step"], require)
+    require_optimizer_tensor_kinds(optimizer["per_parameter"], require)
+    trained_on_nan = payload["train_config"].get("stop_on_nan") is False
+    require_histories(payload["history"], payload["step"], trained_on_nan, require)
+    require_scaler_state(payload.get("grad_scaler"), require)
+    require_rng_states(payload["rng"], require)
+    world_size = payload.get("world_size", 1)
+    require(isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1,
+            f"world_size must be a positive integer, got {world_size!r}")
+    require(payload.get("corpus") is None or isinstance(payload["corpus"], str), "corpus must be text")
 
 
 def _require_canonical(tensors: dict, config: ModelConfig, what: str, require) -> None:

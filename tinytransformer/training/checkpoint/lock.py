@@ -44,6 +44,9 @@ class DirectoryLock:
         self.mine = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
 
     def acquire(self) -> None:
+        if self.path.exists() and not self.path.is_file():   # a directory of that name cannot be replaced
+            raise CheckpointError(f"the lock file {self.path} exists and is not a file (a directory?); remove it "
+                                  f"(one run per checkpoint directory relies on it)")
         self.created_directory = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(self.mine) + "\n"
@@ -70,7 +73,7 @@ class DirectoryLock:
                                   f"{since}); one run per checkpoint directory. If that run has ended, delete "
                                   f"{self.path}")
         if pid == os.getpid():   # this process's own (an earlier run in it that was built but never run)
-            write_atomically(self.path, lambda file: file.write(text))
+            self._write(text)
             return
         if pid is not None and _process_alive(pid):
             raise CheckpointError(f"--checkpoint-dir {directory} is in use by another run (pid {pid} on this host, "
@@ -78,7 +81,13 @@ class DirectoryLock:
                                   f"that run")
         what = f"pid {pid}, no longer running" if pid is not None else "unreadable"
         self.log(f"note: taking over the stale lock of {directory}/ ({what})")
-        write_atomically(self.path, lambda file: file.write(text))
+        self._write(text)
+
+    def _write(self, text: str) -> None:
+        try:
+            write_atomically(self.path, lambda file: file.write(text))
+        except OSError as error:
+            raise CheckpointError(f"cannot replace the lock file {self.path}: {error.strerror or error}") from None
 
     def release(self) -> None:
         """Remove the lock if it is still this process's (never another run's)."""

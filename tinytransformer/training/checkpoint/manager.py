@@ -17,7 +17,8 @@ from ...distributed import is_main_process
 from ..divergence import check_losses
 from ..timing import default_warmup_steps
 from . import CheckpointError
-from .files import checkpoint_path, remove_old_checkpoints, remove_temporary_files, save_atomically
+from .files import (checkpoint_path, planned_checkpoints_present, remove_old_checkpoints,
+                    remove_temporary_files, save_atomically)
 from .loading import find_checkpoint_to_resume
 from .lock import DirectoryLock
 from .state import build_checkpoint, corpus_fingerprint, restore_training_state, setting_differences
@@ -63,11 +64,24 @@ class CheckpointManager:
         found = (find_checkpoint_to_resume(train.resume, train.checkpoint_dir, model_config, self.log)
                  if train.resume else None)
         if self.requested and self.dist.is_main:
+            self._check_planned_paths(found[1]["step"] if found else 0)
+        if self.requested and self.dist.is_main:
             removed = remove_temporary_files(train.checkpoint_dir)   # not checkpoints, only litter of a killed run
             if removed:
                 self.log(f"note: removed {len(removed)} temporary file(s) of an interrupted checkpoint write from "
                          f"{train.checkpoint_dir}/")
         return found
+
+    def _check_planned_paths(self, first_step: int) -> None:
+        """Every checkpoint this run will write must be writable as a file: one that cannot (a directory of that
+        name) fails now, not after the training whose state it was to keep."""
+        train = self.train
+        for step, path in planned_checkpoints_present(train.checkpoint_dir, train.num_steps, train.save_every,
+                                                      first_step):
+            if not path.is_file():
+                raise CheckpointError(f"{path} exists and is not a file (a directory?), but this run writes its "
+                                      f"checkpoint of step {step} there; remove it or choose another "
+                                      f"--checkpoint-dir")
 
     def release(self) -> None:
         """The end of the run, however it ends: the directory is free again."""

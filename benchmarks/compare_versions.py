@@ -39,7 +39,6 @@ default every run keeps cuBLAS's own workspace (version 4's rows are told so). T
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -48,13 +47,14 @@ from pathlib import Path
 
 from comparison_rows import (add_speedups, check_agreement, config_label, config_of, plot, rows_of, run_variant,
                              size_flags, table, was_profiled)
-from training_runs import REPO_ROOT, triton_shape_problem
+from result_formats import read_comparison
+from training_runs import REPO_ROOT, checked_preset, triton_shape_problem
 from variants import VARIANTS, default_variants
 
 sys.path.insert(0, str(REPO_ROOT))  # the shared harness: result files and presets
 
 from tinytransformer.cli import OneLineParser, non_negative_int, positive_int, seed_int  # noqa: E402
-from tinytransformer.config import ConfigError, load_yaml, preset_path  # noqa: E402
+from tinytransformer.config import ConfigError  # noqa: E402
 from tinytransformer.cublas_workspace import CHOICES as CUBLAS_WORKSPACE_CHOICES  # noqa: E402
 from tinytransformer.cublas_workspace import VARIABLE as CUBLAS_WORKSPACE_VARIABLE  # noqa: E402
 from tinytransformer.cublas_workspace import without_workspace  # noqa: E402
@@ -98,10 +98,10 @@ def preset_configs(args, error) -> list[tuple]:
     configs = []
     for name in [n.strip() for n in args.preset.split(",") if n.strip()]:
         try:
-            settings = load_yaml(preset_path(name))
+            _, train = checked_preset(name)
         except ConfigError as problem:
             error(str(problem))
-        configs.append((name, settings.get("batch_size", 8), settings.get("seq_len", 128)))
+        configs.append((name, train.batch_size, train.seq_len))
     if not configs:
         error("--preset names no preset")
     args.dtype = args.dtype or "bfloat16"
@@ -189,7 +189,10 @@ def earlier_rows(args, parser_error) -> tuple[list, list]:
         print(f"--resume: {path} does not exist yet; starting from scratch", flush=True)
         return [], []
     try:
-        earlier = json.loads(path.read_text())
+        earlier = read_comparison(path, need_rows=False)
+    except ConfigError as error:
+        parser_error(f"--resume: {error}")
+    try:
         earlier.setdefault("repeats", 1)   # files written before --repeats existed
         earlier.setdefault("preset", None)   # ... and before --preset
         earlier.setdefault("cublas_workspace_config", None)   # ... and before --cublas-workspace (cuBLAS's default)

@@ -20,7 +20,6 @@ different GPU models or software versions, two parts holding the same preset, an
 """
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -28,10 +27,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the shared harness
 
 from comparison_rows import was_profiled  # noqa: E402  (this script's folder is on the path when it runs)
+from result_formats import read_comparison  # noqa: E402
 from tinytransformer.cli import OneLineParser, fail  # noqa: E402
 from tinytransformer.config import ConfigError  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
-from tinytransformer.paths import prove_output_file  # noqa: E402
+from tinytransformer.paths import prove_output_file, refuse_output_over_input  # noqa: E402
 
 PROG = "merge_presets.py"
 # What every part must share, or its rows could not stand in one table with the others'.
@@ -40,20 +40,12 @@ SOFTWARE = ("gpu", "backend", "torch", "triton")
 
 
 def read_part(path: str) -> dict:
-    try:
-        part = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read it ({error.strerror or error})") from None
-    except ValueError as error:
-        raise ConfigError(f"{path}: not JSON ({error})") from None
-    if not isinstance(part, dict):
-        raise ConfigError(f"{path}: not compare_versions.py results (a JSON object)")
-    missing = [key for key in ("command", "environment", "rows", *SETTINGS) if key not in part]
-    if missing or not part["rows"] or not isinstance(part["environment"], dict):
-        raise ConfigError(f"{path}: not compare_versions.py results with rows "
-                          f"(missing: {', '.join(missing) or 'rows or environment'})")
-    if any(not isinstance(row, dict) or not row.get("preset") for row in part["rows"]):
+    """A compare_versions.py --preset results file, every field this script joins checked."""
+    part = read_comparison(path, need_rows=True)
+    if any(row.get("preset") is None for row in part["rows"]):
         raise ConfigError(f"{path}: rows without a preset (this joins runs of compare_versions.py --preset NAME)")
+    if "repeats" not in part:   # optional for other readers (files older than --repeats), needed to compare parts
+        raise ConfigError(f"{path}: repeats is missing")
     return part
 
 
@@ -130,6 +122,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
+        refuse_output_over_input([("--output", args.output)], [("this command", path) for path in args.parts])
         prove_output_file(args.output, "--output")
         parts = [read_part(path) for path in args.parts]
         check_parts(args.parts, parts)

@@ -19,36 +19,24 @@ for that. Run both sides with enough steps (--num-steps 200) for a stable median
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the shared harness
+
+from tinytransformer.cli import OneLineParser, non_negative_float, positive_float, run_command  # noqa: E402
+from tinytransformer.profiling.result_fields import METRICS, check_metrics, read_json_file  # noqa: E402
+
+PROG = "performance_regression_check.py"
 DEFAULT_MAX_DROP_PERCENT = 5.0
 # Settings that change how fast a run can be: a difference in any of them makes the comparison unfair.
 TRAIN_SETTINGS = ("batch_size", "seq_len", "use_amp", "amp_dtype", "data")
 DEVICE_SETTINGS = ("name", "backend", "torch_version", "count")
 
 
-class MetricsError(Exception):
-    """A file that cannot serve as a run's metrics; the message is one line."""
-
-
 def load_metrics(path: str) -> dict:
-    """A metrics JSON written by a training script's --output-json."""
-    file = Path(path)
-    if not file.is_file():
-        raise MetricsError(f"no such file: {path}")
-    try:
-        metrics = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise MetricsError(f"{path} is not readable JSON ({type(error).__name__})") from None
-    if not isinstance(metrics, dict) or not isinstance(metrics.get("throughput"), dict) \
-            or "train_config" not in metrics:
-        raise MetricsError(f"{path} is not a metrics JSON written by --output-json of a tiny_llama_vK.py run")
-    if not metrics["throughput"].get("samples_per_s"):
-        raise MetricsError(f"{path} has no throughput (the run timed no step)")
-    return metrics
+    """A metrics JSON written by a training script's --output-json, every field this script reads checked."""
+    return check_metrics(read_json_file(path, METRICS), path)
 
 
 def differences(baseline: dict, current: dict) -> list[str]:
@@ -59,13 +47,14 @@ def differences(baseline: dict, current: dict) -> list[str]:
         if a != b:
             found.append(f"{label}: {a} -> {b}")
 
-    for key in sorted(set(baseline.get("model_config", {})) | set(current.get("model_config", {}))):
-        note(f"model {key}", baseline.get("model_config", {}).get(key), current.get("model_config", {}).get(key))
+    model_a, model_b = baseline.get("model_config") or {}, current.get("model_config") or {}
+    for key in sorted(set(model_a) | set(model_b)):
+        note(f"model {key}", model_a.get(key), model_b.get(key))
     for key in TRAIN_SETTINGS:
         note(key, baseline["train_config"].get(key), current["train_config"].get(key))
     note("precision", baseline.get("precision"), current.get("precision"))
     for key in DEVICE_SETTINGS:
-        note(f"device {key}", baseline.get("device", {}).get(key), current.get("device", {}).get(key))
+        note(f"device {key}", (baseline.get("device") or {}).get(key), (current.get("device") or {}).get(key))
     return found
 
 
@@ -91,7 +80,7 @@ def report(baseline: dict, current: dict, max_drop_percent: float, min_speedup: 
         ("median step ms", baseline["timing"].get("median_ms"), current["timing"].get("median_ms"), ".3f"),
         ("peak memory MiB", baseline["memory"].get("peak_allocated_mib"),
          current["memory"].get("peak_allocated_mib"), ",.1f"),
-        ("final loss", baseline["loss"].get("final"), current["loss"].get("final"), ".4f"),
+        ("final loss", (baseline.get("loss") or {}).get("final"), (current.get("loss") or {}).get("final"), ".4f"),
     ]
     lines = [f"baseline: {describe_run(baseline)}", f"current : {describe_run(current)}", ""]
     lines.append(f"{'':<16} {'baseline':>12} {'current':>12} {'change':>8}")
@@ -122,34 +111,28 @@ def report(baseline: dict, current: dict, max_drop_percent: float, min_speedup: 
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog="performance_regression_check.py",
+    parser = OneLineParser(
+        prog=PROG,
         description="Compare two metrics JSON files (--output-json of a training run). Exit 1 when samples/s "
                     "dropped by more than --max-drop-percent or the speed-up is below --min-speedup.")
     parser.add_argument("--baseline", required=True, help="metrics JSON of the reference run")
     parser.add_argument("--current", required=True, help="metrics JSON of the run to check")
-    parser.add_argument("--max-drop-percent", type=float, default=DEFAULT_MAX_DROP_PERCENT,
+    parser.add_argument("--max-drop-percent", type=non_negative_float, default=DEFAULT_MAX_DROP_PERCENT,
                         help="largest allowed drop in samples/s, in percent")
-    parser.add_argument("--min-speedup", type=float,
+    parser.add_argument("--min-speedup", type=positive_float,
                         help="also require current / baseline samples/s >= this (e.g. 1.2 for a new version)")
-    args = parser.parse_args(argv)
-    if args.max_drop_percent < 0:
-        parser.error("--max-drop-percent must be >= 0")
-    if args.min_speedup is not None and not args.min_speedup > 0:
-        parser.error("--min-speedup must be positive")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
+
+    def body() -> int:
         baseline, current = load_metrics(args.baseline), load_metrics(args.current)
-    except MetricsError as error:
-        print(f"performance_regression_check.py: error: {error}", file=sys.stderr)
-        return 2
-    lines, passed = report(baseline, current, args.max_drop_percent, args.min_speedup)
-    print("\n".join(lines))
-    return 0 if passed else 1
+        lines, passed = report(baseline, current, args.max_drop_percent, args.min_speedup)
+        print("\n".join(lines))
+        return 0 if passed else 1
+    return run_command(PROG, body)
 
 
 if __name__ == "__main__":

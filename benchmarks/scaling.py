@@ -36,12 +36,12 @@ from pathlib import Path
 
 from scaling_table import gpus_cell
 from table_format import NO_MATPLOTLIB, fmt, markdown_header, markdown_row, percent
-from training_runs import REPO_ROOT, SCRIPTS, run_training, triton_shape_problem
+from training_runs import REPO_ROOT, SCRIPTS, checked_preset, run_training, triton_shape_problem
 
 sys.path.insert(0, str(REPO_ROOT))  # the shared harness: result files and plots
 
 from tinytransformer.cli import HelpFormatter, OneLineParser, non_negative_int, positive_int  # noqa: E402
-from tinytransformer.config import ConfigError, preset_path  # noqa: E402
+from tinytransformer.config import ConfigError  # noqa: E402
 from tinytransformer.outputs import load_pyplot, write_json  # noqa: E402
 from tinytransformer.paths import prove_output_dir  # noqa: E402
 
@@ -207,7 +207,7 @@ def parse_args(argv):
         parser.error("--warmup-steps must be smaller than --num-steps")
     try:   # every preset known and the output directory writable before the first (long) run
         for preset in args.presets:
-            preset_path(preset)
+            checked_preset(preset)   # its values too, as a training script would check them
         if args.output_dir:
             prove_output_dir(args.output_dir, "--output-dir")
     except ConfigError as problem:

@@ -4,9 +4,9 @@ Every row of every JSON file in benchmarks/results/scaling/ becomes one line: wh
 how the gradients were averaged), the machine, and the figures scaling.py measured. make_readme_table.py puts the
 table between README's scaling markers, so no scaling figure in the README is typed by hand.
 """
-import json
 from pathlib import Path
 
+from result_formats import read_scaling
 from table_format import fmt, markdown_header, markdown_row, percent
 
 PRESET_ORDER = ("tiny", "small", "medium", "large")
@@ -65,7 +65,7 @@ def table_line(results: dict, row: dict, file_name: str) -> str:
     cells = (what_ran(results, row), row["preset"], gpus_cell(row), str(row["global_batch_size"]),
              fmt(row["samples_per_s"], ",.0f"), fmt(row["median_step_ms"], ".2f"), fmt(row.get("speedup"), ".2f", "x"),
              percent(row.get("efficiency")), percent(row.get("mfu")),
-             fmt(row["peak_memory_mib_per_gpu"], ",.0f"), machine(results), runs_cell(row),
+             fmt(row.get("peak_memory_mib_per_gpu"), ",.0f"), machine(results), runs_cell(row),
              f"`{file_name}`")
     return markdown_row(cells)
 
@@ -74,7 +74,7 @@ def scaling_table(directory: Path) -> str:
     """One markdown table of every row in directory/*.json, by preset, then machine, then what ran."""
     entries = []
     for path in sorted(directory.glob("*.json")):
-        results = json.loads(path.read_text())
+        results = read_scaling(path)
         for row in results["rows"]:
             order = PRESET_ORDER.index(row["preset"]) if row["preset"] in PRESET_ORDER else len(PRESET_ORDER)
             key = (order, machine(results), what_ran(results, row), row["gpus"], row.get("launcher") != "none")

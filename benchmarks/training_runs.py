@@ -79,3 +79,17 @@ def triton_shape_problem(runs: list[tuple[str, str, list[str]]]) -> str | None:
         if problem:
             return f"{where}: {problem}"
     return None
+
+
+def checked_preset(name: str):
+    """configs/NAME.yaml as (ModelConfig, TrainConfig), each value checked by the rules the training scripts
+    apply to it: a bad value (batch_size 0, a list) is one line now, not a failed run per row later."""
+    from tinytransformer.config import ConfigError, ModelConfig, TrainConfig, preset_settings
+    model_settings, train_settings = preset_settings(name)
+    try:
+        model, train = ModelConfig(**model_settings), TrainConfig(**train_settings)
+        model.validate()
+        train.validate_values()   # not validate(): the benchmark sets its own step counts
+    except (TypeError, ConfigError) as error:
+        raise ConfigError(f"preset {name} (configs/{name}.yaml): {error}") from None
+    return model, train

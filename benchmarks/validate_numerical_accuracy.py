@@ -33,7 +33,7 @@ enable_interpreter_if_no_gpu()  # before anything imports triton: without a GPU,
 
 import torch  # noqa: E402
 
-from tinytransformer.cli import OneLineParser, positive_int  # noqa: E402
+from tinytransformer.cli import OneLineParser, non_negative_int, positive_int, seed_int  # noqa: E402
 from tinytransformer.config import ConfigError, ModelConfig  # noqa: E402
 from tinytransformer.precision import set_tf32  # noqa: E402
 from tinytransformer.equivalence import (canonical, forward_backward, load_version, random_batch,  # noqa: E402
@@ -71,8 +71,8 @@ def parse_args(argv):
     parser.add_argument("--num-heads", type=positive_int)
     parser.add_argument("--intermediate-size", type=positive_int)
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batch")
-    parser.add_argument("--show", type=int, default=5, help="gradients listed individually, worst first")
+    parser.add_argument("--seed", type=seed_int, default=0, help="seed of the weights and of the batch")
+    parser.add_argument("--show", type=non_negative_int, default=5, help="gradients listed individually, worst first")
     args = parser.parse_args(argv)
     try:
         args.baseline, args.optimized = version_name(args.baseline), version_name(args.optimized)

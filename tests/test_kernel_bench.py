@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tinytransformer.kernel_bench import timing as bench_timing
-from tinytransformer.kernel_bench.cli import EXIT_CHECK_FAILED
+from tinytransformer.kernel_bench.cli import EXIT_CHECK_FAILED, build_parser, resolve_shape, select_ops, shape_record
 from tinytransformer.kernel_bench.cli import main as benchmark_main
 from tinytransformer.kernel_bench.correctness import relative_error, tolerance_for
 from tinytransformer.kernel_bench.ops import BenchShape, torch_rms_norm
@@ -297,19 +297,21 @@ def test_shape_validation_only_for_the_selected_kernels(tmp_path):
     ("large", dict(batch_size=8, seq_len=1024, hidden_dim=2048, num_heads=16, intermediate_size=5632,
                    vocab_size=32000, dtype="bfloat16")),
 ])
-def test_a_preset_gives_its_model_and_batch_and_bfloat16(preset, expected, tmp_path):
+def test_a_preset_gives_its_model_and_batch_and_bfloat16(preset, expected):
     """--preset takes the sizes from configs/ (timed only on a GPU: here the shape is all that is recorded)."""
-    code, report = run_json(v4.main, tmp_path, "--preset", preset, "--kernel", "add_rmsnorm")
-    assert code == 0
-    assert {key: report["shape"][key] for key in expected} == expected
+    shape = resolved_shape("--preset", preset)
+    assert {key: shape[key] for key in expected} == expected
 
 
-def test_flags_override_a_preset(tmp_path):
-    code, report = run_json(v4.main, tmp_path, "--preset", "medium", "--batch-size", "2", "--dtype", "float32",
-                            "--kernel", "add_rmsnorm")
-    assert code == 0
-    assert (report["shape"]["batch_size"], report["shape"]["hidden_dim"], report["shape"]["dtype"]) == (
-        2, 1024, "float32")
+def test_flags_override_a_preset():
+    shape = resolved_shape("--preset", "medium", "--batch-size", "2", "--dtype", "float32")
+    assert (shape["batch_size"], shape["hidden_dim"], shape["dtype"]) == (2, 1024, "float32")
+
+
+def resolved_shape(*flags) -> dict:
+    """The sizes version 4's script would run add_rmsnorm at (as its JSON records them), without running it."""
+    args = build_parser("run_kernel_benchmarks.py", "", v4.OPS).parse_args([*flags, "--kernel", "add_rmsnorm"])
+    return shape_record(resolve_shape(args, use_interpreter_defaults=False, ops=select_ops(v4.OPS, args.kernel)))
 
 
 BAD_INPUTS = {
@@ -348,12 +350,22 @@ def test_bad_input_v4(capsys):
 
 @CPU_ONLY
 @pytest.mark.parametrize("script", [v3, v4], ids=["v3", "v4"])
-def test_no_gpu_prints_one_line_and_times_nothing(script, tmp_path, capsys):
-    code, report = run_json(script.main, tmp_path)
-    assert code == 0 and report["timings"] == [] and report["checks"] == []
-    lines = capsys.readouterr().out.strip().splitlines()
+def test_no_gpu_without_check_is_one_line_and_exit_2(script, tmp_path, capsys):
+    # Nothing would run: the missing GPU is the one line of bad input, and no results file is written.
+    code = script.main(["--output-json", str(tmp_path / "out.json")])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "" and not (tmp_path / "out.json").exists()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{script.__name__.split('.')[-1]}.py: error: timing needs a GPU")
     assert lines[0].endswith("Use --check to verify the kernels in Triton's CPU interpreter.")
-    assert "timing needs a GPU" in lines[0] and lines[1:] == [f"Wrote {tmp_path / 'out.json'}"]
+
+
+@pytest.mark.parametrize("script", [v3, v4], ids=["v3", "v4"])
+def test_sizes_that_cannot_fit_are_refused_before_any_tensor(script, capsys):
+    # 2^32 tokens: every op's [tokens, hidden] tensors alone are terabytes.
+    code = script.main(["--check", "--kernel", script.OPS[0].name, "--batch-size", "65536", "--seq-len", "65536"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "GiB of" in err[0] and "is available" in err[0]
 
 
 @CPU_ONLY

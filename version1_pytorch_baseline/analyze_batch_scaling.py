@@ -22,14 +22,16 @@ through peak memory gives that amount.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
+from tinytransformer.checks import ConfigError  # noqa: E402
+from tinytransformer.cli import OneLineParser  # noqa: E402
 from tinytransformer.profiling import analysis  # noqa: E402
+from tinytransformer.profiling.result_fields import METRICS, check_metrics, read_json_file  # noqa: E402
 from tinytransformer.profiling.trace import TraceError, load_trace, newest_trace_in  # noqa: E402
 
 # Fixed cost above this share of the smallest run's step: launch-bound; below the second: compute-bound.
@@ -97,7 +99,7 @@ def run_from_directory(directory: Path) -> dict:
     trace = load_trace(trace_path) if trace_path else None
     if metrics:
         path, data = max(metrics, key=lambda item: item[0].stat().st_mtime)
-        row = run_from_metrics(data, str(path))
+        row = run_from_metrics(check_metrics(data, path), str(path))
     elif trace is not None:
         shape = embedding_shape(trace)
         summary = analysis.summarize(trace)
@@ -120,10 +122,7 @@ def run_from_directory(directory: Path) -> dict:
 def collect_runs(metrics_files, profile_dirs) -> list[dict]:
     runs = []
     for name in metrics_files:
-        data = read_json(Path(name)) if Path(name).is_file() else None
-        if not is_metrics(data):
-            raise ScalingError(f"{name}: not a metrics JSON written by --output-json")
-        runs.append(run_from_metrics(data, name))
+        runs.append(run_from_metrics(check_metrics(read_json_file(name, METRICS), name), name))
     for name in profile_dirs:
         if not Path(name).is_dir():
             raise ScalingError(f"{name}: not a directory")
@@ -214,7 +213,7 @@ def table(runs: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="analyze_batch_scaling.py",
         description="Batch size against step time, samples/s, peak memory and kernels per step, from the metrics "
                     "JSON files or profile directories of several runs.")
@@ -227,7 +226,7 @@ def main(argv=None) -> int:
         parser.error("give --metrics FILE... and/or --profile-dirs DIR...")
     try:
         runs = collect_runs(args.metrics, args.profile_dirs)
-    except (ScalingError, TraceError) as error:
+    except (ScalingError, TraceError, ConfigError) as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
     print(table(runs))

@@ -17,7 +17,6 @@ time. On a CPU trace there is no GPU time: the parts are ranked by the host's ti
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections import defaultdict
@@ -26,8 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.checks import ConfigError  # noqa: E402
+from tinytransformer.cli import OneLineParser, non_negative_float, positive_int  # noqa: E402
 from tinytransformer.outputs import write_atomically, write_json  # noqa: E402
-from tinytransformer.paths import prove_outputs  # noqa: E402
+from tinytransformer.paths import prove_outputs, refuse_output_over_input  # noqa: E402
 from tinytransformer.profiling import analysis  # noqa: E402
 from tinytransformer.profiling.trace import TraceError, load_trace, resolve_trace_argument  # noqa: E402
 
@@ -232,7 +232,7 @@ def build_report(trace, top: int, min_share: float) -> tuple[str, dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="analyze_bottlenecks.py",
         description="Markdown bottleneck report (top operators, kernels, phases, prioritised optimisation targets) "
                     "from a PyTorch-profiler trace.")
@@ -240,19 +240,17 @@ def main(argv=None) -> int:
                         help="a trace file, or a profile directory (its newest trace_*.json / *.pt.trace.json)")
     parser.add_argument("--output-report", default="bottlenecks.md", help="markdown report to write")
     parser.add_argument("--output-json", help="also write the numbers and targets as JSON")
-    parser.add_argument("--top", type=int, default=10, help="rows of the operator and kernel tables")
-    parser.add_argument("--min-share", type=float, default=MIN_SHARE_PERCENT,
+    parser.add_argument("--top", type=positive_int, default=10, help="rows of the operator and kernel tables")
+    parser.add_argument("--min-share", type=non_negative_float, default=MIN_SHARE_PERCENT,
                         help="smallest share of the step (percent) for a part to become a target")
     args = parser.parse_args(argv)
-    try:   # both outputs writable before the trace is read and analysed
-        prove_outputs(("--output-report", args.output_report, "file"), ("--output-json", args.output_json, "file"))
-    except ConfigError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 2
-    try:
+    try:   # both outputs writable, and neither the trace itself, before the trace is read and analysed
         trace_path, note = resolve_trace_argument(args.profile_data)
+        outputs = [("--output-report", args.output_report), ("--output-json", args.output_json)]
+        refuse_output_over_input(outputs, [("--profile-data", trace_path)])
+        prove_outputs(*[(flag, path, "file") for flag, path in outputs])
         trace = load_trace(trace_path)
-    except TraceError as error:
+    except (ConfigError, TraceError) as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
     if note:

@@ -5,7 +5,6 @@ not (the table says which), 2 for bad input (one line).
 """
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 import tempfile
@@ -15,6 +14,7 @@ from pathlib import Path
 from tinytransformer.cli import OneLineParser, given_arguments, parse_or_exit_code, run_command
 from tinytransformer.config import ConfigError, available_presets
 from tinytransformer.outputs import write_atomically, write_json
+from .report_file import read_report
 from .targets import TARGETS
 
 PROG = "python -m benchmarks.kernel_report"
@@ -61,21 +61,24 @@ def _check_writable(path: str, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: cannot write there ({error.strerror or error})") from None
 
 
-def _load(path: str) -> dict:
+def _markdown_text(path: str | None) -> str | None:
+    """The text of an existing --markdown file, read before any compiling: a file that is not UTF-8 text is one
+    line now, not an error after minutes of work. None when there is no such file (it will be created)."""
+    if not path or not Path(path).exists():
+        return None
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConfigError(f"--from-json {path}: cannot read a report ({error})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) or "targets" not in doc:
-        raise ConfigError(f"--from-json {path}: not a kernel report (no rows/targets)")
-    return doc
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"--markdown {path}: not a text (UTF-8) file; its generated block cannot be replaced") \
+            from None
+    except OSError as error:
+        raise ConfigError(f"--markdown {path}: cannot read it ({error.strerror or error})") from None
 
 
-def _write_markdown(path: str, block: str) -> None:
+def _write_markdown(path: str, existing: str | None, block: str) -> None:
     from .render import replace_block
-    file = Path(path)
-    text = replace_block(file.read_text(encoding="utf-8"), block) if file.exists() else block
-    write_atomically(file, lambda f: f.write(text))
+    text = replace_block(existing, block) if existing is not None else block
+    write_atomically(Path(path), lambda f: f.write(text))
 
 
 def body(argv) -> int:
@@ -85,9 +88,10 @@ def body(argv) -> int:
     for flag, path in (("--output-json", args.output_json), ("--markdown", args.markdown)):
         if path:
             _check_writable(path, flag)
+    existing_markdown = _markdown_text(args.markdown)
     from . import render
     if args.from_json:
-        doc = _load(args.from_json)
+        doc = read_report(args.from_json)
     else:
         targets = _names(args.targets, list(TARGETS), "target")
         presets = _names(args.presets, available_presets(), "preset")
@@ -103,7 +107,7 @@ def body(argv) -> int:
     if args.output_json:
         write_json(args.output_json, doc)
     if args.markdown:
-        _write_markdown(args.markdown, render.markdown(doc))
+        _write_markdown(args.markdown, existing_markdown, render.markdown(doc))
     failed = [r for r in doc["rows"] if r["status"] != "ok"]
     if failed:
         print(f"{len(failed)} kernel configuration(s) do not compile or do not fit: see the table",

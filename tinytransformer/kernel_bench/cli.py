@@ -10,6 +10,7 @@ import torch
 from ..cli import OneLineParser, command_line, fail, parse_or_exit_code, positive_int
 from ..config import ConfigError, load_yaml, preset_path
 from ..device import describe, peak_bandwidth_tbs
+from ..memory import REFUSE_ABOVE, device_free_bytes, host_available_bytes
 from ..outputs import write_json
 from ..paths import prove_output_file
 from ..precision import tf32_enabled
@@ -83,6 +84,22 @@ def resolve_shape(args, use_interpreter_defaults: bool, ops: list[OpBench]) -> B
     return shape
 
 
+def check_memory(ops: list[OpBench], shape: BenchShape, device: torch.device) -> None:
+    """ConfigError, before any tensor is made, when an op's tensors cannot fit: about twice the bytes its byte
+    model moves (inputs, outputs and gradients, plus --check's float64 reference), against the GPU's free memory
+    or, on the CPU, the host's. Refuses only the clearly impossible (REFUSE_ABOVE, as the training scripts do)."""
+    on_gpu = device.type == "cuda"
+    available = device_free_bytes(device) if on_gpu else host_available_bytes()
+    if available is None:
+        return
+    for op in ops:
+        needed = 2 * sum(op.bytes_moved(shape, direction) for direction in op.directions)
+        if needed > REFUSE_ABOVE * available:
+            raise ConfigError(f"{op.name} at these sizes needs about {needed / 2**30:.1f} GiB of "
+                              f"{'GPU' if on_gpu else 'host'} memory but {available / 2**30:.1f} GiB is available; "
+                              f"reduce --batch-size, --seq-len, --hidden-dim, --intermediate-size or --vocab-size")
+
+
 def check_output_path(path: str | None) -> None:
     if path is None:
         return
@@ -108,12 +125,13 @@ def finite_or_none(value):
     return value
 
 
-def no_timing_message(prog: str, check: bool) -> str:
+def no_timing_message(check: bool) -> str:
+    """Why nothing is timed; with --check the checks still run (in the interpreter), without it nothing would."""
     reason = ("Triton's interpreter is on (TRITON_INTERPRET=1)" if torch.cuda.is_available()
               else "no GPU (CUDA or ROCm) found")
     then = (": running --check in Triton's CPU interpreter only." if check
             else ". Use --check to verify the kernels in Triton's CPU interpreter.")
-    return f"{prog}: timing needs a GPU with compiled Triton kernels; {reason}{then}"
+    return f"timing needs a GPU with compiled Triton kernels; {reason}{then}"
 
 
 def run_checks(ops: list[OpBench], shape: BenchShape, device: torch.device, report: dict) -> bool:
@@ -165,19 +183,22 @@ def main(ops: list[OpBench], prog: str, description: str, argv=None) -> int:
     args = parse_or_exit_code(parser, argv)   # OneLineParser prints its one line (exit 2); --help exits 0
     if isinstance(args, int):
         return args
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    can_time = timing.timing_available()
     try:
         selected = select_ops(ops, args.kernel)
         shape = resolve_shape(args, use_interpreter_defaults=interpreter_active(), ops=selected)
         check_output_path(args.output_json)
+        if not (can_time or args.check):   # nothing would run: like every GPU-only tool, one line and exit 2
+            raise ConfigError(no_timing_message(check=False))
+        check_memory(selected, shape, device)
     except ConfigError as error:
         return fail(prog, str(error))
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report = dict(command=command_line(prog, argv), device=describe(device).as_dict(),
                   shape=shape_record(shape), triton_interpreter=interpreter_active(), checks=[], timings=[])
-    can_time = timing.timing_available()
     if not can_time:
-        print(no_timing_message(prog, args.check))
+        print(f"{prog}: {no_timing_message(check=True)}")
     passed = run_checks(selected, shape, device, report) if args.check else True
     if can_time and passed:
         run_timings(selected, shape, device, report)

@@ -29,7 +29,7 @@ from ..outputs import write_json
 from ..paths import ensure_directory
 from ..weights import parameter_count
 from .deepspeed_flops import deepspeed_import_problem, profile_forward
-from .flops_summary import DEEPSPEED_VS_ANALYTIC, compare_parts, flops_summary
+from .flops_summary import DEEPSPEED_VS_ANALYTIC, check_flops_profile, compare_parts, flops_summary
 from .roofline import write_roofline
 from .trace import TraceError
 
@@ -204,7 +204,10 @@ def load_flops_result(text: str, output_dir: str) -> dict:
     if not isinstance(result, dict) or result.get("kind") != FLOPS_PROFILE_KIND or any(
             key not in result for key in needed):
         raise ConfigError(f"--analyze-results: {path} is not a flops_profile.json written by run_deepspeed_flops.py")
-    return result
+    try:
+        return check_flops_profile(result, path)
+    except ConfigError as problem:
+        raise ConfigError(f"--analyze-results: {problem}") from None
 
 
 def deepspeed_flops_main(spec: VersionSpec, argv=None) -> int:

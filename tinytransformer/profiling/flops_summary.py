@@ -4,6 +4,7 @@ and arithmetic intensity; printed after a run, and again from a saved flops_prof
 from __future__ import annotations
 
 from ..flops import ATTENTION_MATMULS, FFN_MATMULS
+from .result_fields import Fields
 from .tables import format_table
 
 DEEPSPEED_VS_ANALYTIC = (
@@ -31,6 +32,79 @@ def compare_parts(deepspeed_result: dict, analytic: dict) -> list[dict]:
                  "deepspeed_flops": deepspeed_result["forward_flops"],
                  "ratio": deepspeed_result["forward_flops"] / analytic["forward_flops"]})
     return rows
+
+
+def check_flops_profile(result, file) -> dict:
+    """`result` (a flops_profile.json read back from `file`) unchanged, once every field flops_summary prints is
+    checked: a file edited by hand or cut short is one line naming the field, not a traceback mid-summary."""
+    saved = Fields(result, file, what="a flops_profile.json written by run_deepspeed_flops.py")
+    for key in ("version", "title", "precision"):
+        saved.text(key)
+    saved.section("device").text("name")
+    saved.integer("batch_size", 1)
+    saved.integer("seq_len", 1)
+    _check_deepspeed_part(saved.section("deepspeed"))
+    _check_analytic_part(saved.section("analytic"))
+    comparison = saved.section("comparison")
+    comparison.number("deepspeed_over_analytic", minimum=0.0, optional=True)
+    comparison.text("explanation")
+    for part in comparison.items("parts", optional=True) or []:
+        part.text("part")
+        part.text("module")
+        part.number("analytic_flops", minimum=0.0)
+        part.number("deepspeed_flops", minimum=0.0)
+        part.number("ratio", minimum=0.0, optional=True)
+    _check_throughput_part(saved.section("timing"), saved.section("throughput"))
+    intensity = saved.section("intensity", optional=True)
+    if intensity is not None:
+        intensity.number("ridge_flops_per_byte", minimum=0.0, optional=True)
+        intensity.text("byte_model")
+        intensity.number("bytes_per_element", positive=True)
+        intensity.items("rows")
+    roofline = saved.section("roofline", optional=True)
+    if roofline is not None:
+        roofline.text("path", optional=True) or roofline.text("message")
+    saved.scalars("files", optional=True)
+    return result
+
+
+def _check_deepspeed_part(deepspeed: Fields) -> None:
+    if not deepspeed.flag("available"):
+        deepspeed.text("message")
+        return
+    deepspeed.number("forward_flops", minimum=0.0)
+    deepspeed.number("forward_macs", minimum=0.0)
+    deepspeed.integer("params", 0)
+    deepspeed.number("forward_latency_ms", minimum=0.0)
+    deepspeed.text("model_profile")
+    for row in deepspeed.items("modules"):
+        row.text("module")
+        for key in ("params", "flops", "macs", "latency_ms"):
+            row.number(key, minimum=0.0)
+
+
+def _check_analytic_part(analytic: Fields) -> None:
+    per_layer = analytic.scalars("per_layer")
+    for name in per_layer:
+        analytic.section("per_layer").number(name, minimum=0.0)
+    analytic.number("per_layer_total", positive=True)
+    analytic.integer("num_layers", 1)
+    for key in ("output_head", "forward_flops", "training_flops"):
+        analytic.number(key, positive=True)
+    analytic.text("conventions")
+
+
+def _check_throughput_part(timing: Fields, throughput: Fields) -> None:
+    if timing.number("median_ms", positive=True, optional=True) is None:
+        return   # no timed steps: the summary says so and prints no figures
+    for key in ("p10_ms", "p90_ms"):
+        timing.number(key, positive=True)
+    timing.integer("count", 1)
+    timing.integer("warmup_steps", 0)
+    for key in ("training_tflops_per_s", "samples_per_s", "tokens_per_s"):
+        throughput.number(key, positive=True)
+    if throughput.number("mfu", minimum=0.0, optional=True) is not None:
+        throughput.number("peak_tflops", positive=True)
 
 
 def gflop(count: float | None) -> str:

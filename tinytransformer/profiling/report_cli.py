@@ -36,7 +36,8 @@ def _positive_or_zero(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from ..cli import OneLineParser   # here: cli.py imports this package
+    parser = OneLineParser(
         prog=PROG,
         description="Operator, kernel and phase tables from a torch.profiler trace (.json or .json.gz).",
     )

@@ -29,6 +29,7 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+import math
 import os
 from pathlib import Path
 
@@ -110,6 +111,11 @@ def as_trace_dict(data, source: str) -> Trace:
     events = data["traceEvents"]
     if not any(isinstance(ev, dict) and ev.get("ph") == "X" for ev in events):
         raise TraceError(f"{source} is a trace without any timed events (ph 'X'); nothing to analyse")
+    # Events the analysis cannot place (no known category, a time that is not a number) are skipped one by one;
+    # a trace made only of such events would be reported as all zeros, which reads like a real measurement.
+    if not any(_is_usable(raw) for raw in events):
+        raise TraceError(f"{source} has no usable operator or kernel event (a ph 'X' event with a known 'cat' "
+                         f"and numeric 'ts' and 'dur'); nothing to analyse")
     return data if isinstance(data, Trace) else Trace(data)
 
 
@@ -155,6 +161,12 @@ class Event:
             event = event.parent
 
 
+def _is_usable(raw) -> bool:
+    """Whether one JSON event is a timed operator or kernel that the analysis counts."""
+    event = parse_event(raw, 0)
+    return event is not None and event.kind != "memory"
+
+
 def parse_event(raw, order: int) -> Event | None:
     """Turn one JSON event into an Event, or None for the events the analysis ignores."""
     if not isinstance(raw, dict):
@@ -170,6 +182,8 @@ def parse_event(raw, order: int) -> Event | None:
     try:
         start = float(raw["ts"])
         dur = max(0.0, float(raw.get("dur", 0.0)))
+        if not (math.isfinite(start) and math.isfinite(dur)):
+            raise ValueError("not a finite time")
     except (KeyError, TypeError, ValueError):
         return None  # an event without a usable time cannot be placed; skip it rather than fail
     args = raw.get("args") if isinstance(raw.get("args"), dict) else {}

@@ -350,14 +350,13 @@ def test_bad_input_v4(capsys):
 
 @CPU_ONLY
 @pytest.mark.parametrize("script", [v3, v4], ids=["v3", "v4"])
-def test_no_gpu_without_check_is_one_line_and_exit_2(script, tmp_path, capsys):
-    # Nothing would run: the missing GPU is the one line of bad input, and no results file is written.
-    code = script.main(["--output-json", str(tmp_path / "out.json")])
-    captured = capsys.readouterr()
-    assert code == 2 and captured.out == "" and not (tmp_path / "out.json").exists()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{script.__name__.split('.')[-1]}.py: error: timing needs a GPU")
+def test_no_gpu_prints_one_line_and_times_nothing(script, tmp_path, capsys):
+    # Not an error: the documents' GPU commands run as written on a laptop, recording the shape and timing nothing.
+    code, report = run_json(script.main, tmp_path)
+    assert code == 0 and report["timings"] == [] and report["checks"] == []
+    lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].endswith("Use --check to verify the kernels in Triton's CPU interpreter.")
+    assert "timing needs a GPU" in lines[0] and lines[1:] == [f"Wrote {tmp_path / 'out.json'}"]
 
 
 @pytest.mark.parametrize("script", [v3, v4], ids=["v3", "v4"])

@@ -27,7 +27,7 @@ SEED_LIMIT = 2**63 - 1   # seeds feed numpy's uint64 hashing and torch.manual_se
 SETTINGS_FILE_LIMIT = 4 * 2**20
 
 
-def _kind(value) -> str:
+def describe_value(value) -> str:
     """How a wrong value is described: "'12' (a string)", "True (a boolean)"."""
     names = {bool: "a boolean", str: "a string", float: "a float", type(None): "empty",
              list: "a list", dict: "a mapping"}
@@ -42,7 +42,7 @@ def check_int(name: str, value, minimum: int | None = None, maximum: int = INT_L
             hint = f" (write {int(value)})"
         elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
             hint = " (remove the quotes)"
-        raise ConfigError(f"{name} must be an integer, got {_kind(value)}{hint}")
+        raise ConfigError(f"{name} must be an integer, got {describe_value(value)}{hint}")
     if minimum is not None and value < minimum:
         bound = {0: "an integer >= 0", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
         raise ConfigError(f"{name} must be {bound}, got {value}")
@@ -62,7 +62,7 @@ def check_number(name: str, value, positive: bool = False, minimum: float | None
                         "write 0.001 or 1.0e-3)")
             except ValueError:
                 pass
-        raise ConfigError(f"{name} must be a number, got {_kind(value)}{hint}")
+        raise ConfigError(f"{name} must be a number, got {describe_value(value)}{hint}")
     if isinstance(value, int):
         if abs(value) > 2**53:   # beyond this an int is no longer exact as a float
             raise ConfigError(f"{name} is too large, got {value}")
@@ -78,13 +78,13 @@ def check_number(name: str, value, positive: bool = False, minimum: float | None
 
 def check_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be true or false, got {_kind(value)}")
+        raise ConfigError(f"{name} must be true or false, got {describe_value(value)}")
     return value
 
 
 def check_choice(name: str, value, choices) -> str:
     if not isinstance(value, str) or value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {_kind(value)}")
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {describe_value(value)}")
     return value
 
 
@@ -93,7 +93,7 @@ def check_text(name: str, value, optional: bool = False) -> str | None:
     if value is None and optional:
         return None
     if not isinstance(value, str):
-        raise ConfigError(f"{name} must be a string, got {_kind(value)}")
+        raise ConfigError(f"{name} must be a string, got {describe_value(value)}")
     if not value:
         raise ConfigError(f"{name} must not be empty")
     if "\0" in value:

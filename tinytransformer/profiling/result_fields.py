@@ -17,7 +17,7 @@ import json
 import math
 from pathlib import Path
 
-from ..checks import ConfigError, _kind, check_bool, check_int, check_number, check_text
+from ..checks import ConfigError, check_bool, check_int, check_number, check_text, describe_value
 
 
 def read_json_file(path: str | Path, what: str):
@@ -135,7 +135,7 @@ class Fields:
 
 def _short_kind(value) -> str:
     """A wrong value described without printing all of it (a list of a thousand rows stays one short line)."""
-    text = _kind(value)
+    text = describe_value(value)
     return text if len(text) <= 80 else f"{text[:60]}... ({type(value).__name__})"
 
 

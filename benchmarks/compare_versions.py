@@ -188,21 +188,18 @@ def earlier_rows(args, parser_error) -> tuple[list, list]:
     if not path.exists():
         print(f"--resume: {path} does not exist yet; starting from scratch", flush=True)
         return [], []
-    try:
+    try:   # every field read below is checked here: the file's type and range problems are this one line
         earlier = read_comparison(path, need_rows=False)
     except ConfigError as error:
         parser_error(f"--resume: {error}")
-    try:
-        earlier.setdefault("repeats", 1)   # files written before --repeats existed
-        earlier.setdefault("preset", None)   # ... and before --preset
-        earlier.setdefault("cublas_workspace_config", None)   # ... and before --cublas-workspace (cuBLAS's default)
-        # ... and before the file said whether its runs had the profiled window (which is not timed)
-        earlier["profile"] = was_profiled(earlier)
-        mismatched = [k for k in RESUME_KEYS if earlier[k] != getattr(args, k)]
-        rows = [r for r in earlier.get("runs", earlier["rows"]) if "error" not in r]
-        commands = [earlier["command"], *earlier.get("resumed_by", [])]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        parser_error(f"--resume: cannot read {path} as compare_versions results ({error})")
+    earlier.setdefault("repeats", 1)   # files written before --repeats existed
+    earlier.setdefault("preset", None)   # ... and before --preset
+    earlier.setdefault("cublas_workspace_config", None)   # ... and before --cublas-workspace (cuBLAS's default)
+    # ... and before the file said whether its runs had the profiled window (which is not timed)
+    earlier["profile"] = was_profiled(earlier)
+    mismatched = [k for k in RESUME_KEYS if earlier[k] != getattr(args, k)]
+    rows = [r for r in earlier.get("runs", earlier["rows"]) if "error" not in r]
+    commands = [earlier["command"], *earlier.get("resumed_by", [])]
     if mismatched:
         parser_error(f"--resume: {path} was measured with other " + ", ".join(
             f"{k} ({earlier[k]} there, {getattr(args, k)} here)" for k in mismatched))

@@ -116,6 +116,21 @@ def test_outputs_never_replace_inputs(checkpoint, tmp_path, capsys):
     assert {path: path.read_bytes() for path in before} == before
 
 
+def test_inputs_among_the_checkpoints_that_keep_last_deletes_are_refused(checkpoint, tmp_path, capsys):
+    directory = tmp_path / "R"
+    directory.mkdir()
+    data = directory / "ckpt_step00000001.pt"   # read as text data, but named like a checkpoint of the directory
+    data.write_bytes(checkpoint.read_bytes())
+    # The run writes the checkpoints of steps 2 and 4: keeping the last 1 or 2 deletes step 1's file, 3 keeps it.
+    flags = [*SIZES, "--max-seq-len", "16", "--vocab-size", "256", "--data", f"text:{data}", "--num-steps", "4",
+             "--save-every", "2", "--checkpoint-dir", str(directory)]
+    for keep in ("1", "2"):
+        line = refused(capsys, v1_main, *flags, "--keep-last", keep)
+        assert f"--keep-last {keep} deletes" in line and data.exists()
+    assert v1_main([*flags, "--keep-last", "3"]) == 0 and data.exists()
+    capsys.readouterr()
+
+
 def test_planned_checkpoint_path_that_is_a_directory_fails_before_training(tmp_path, capsys):
     (tmp_path / "D" / "ckpt_step00000002.pt").mkdir(parents=True)
     metrics = tmp_path / "D.json"

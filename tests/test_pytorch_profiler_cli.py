@@ -158,6 +158,24 @@ def test_profiler_bad_input_is_one_line_and_exit_2(case, tmp_path):
     assert_one_line_error(code, err)
 
 
+def test_reports_never_replace_what_the_command_reads(tmp_path):
+    # A trace whose name is one of the reports written beside it, and a training input inside --profile-dir under a
+    # report's name (the trace, the summary, the --generate-report file): refused before anything is written.
+    trace = write(mkdir(tmp_path / "a") / "summary.md", FIXTURE_TRACE.read_bytes())
+    text = write(mkdir(tmp_path / "b") / "profile_report_v1.md", bytes(range(256)) * 8)
+    config = write(tmp_path / "b" / "trace_v1.json", b"num_steps: 2\n")
+    before = {path: path.read_bytes() for path in (trace, text, config)}
+    cases = [["--analyze-existing", trace],
+             TRAIN_FLAGS + ["--vocab-size", "256", "--data", f"text:{text}", "--profile-dir", text.parent,
+                            "--generate-report"],
+             TRAIN_FLAGS + ["--config", config, "--profile-dir", config.parent]]
+    for argv in cases:
+        code, _, err = run_main(pytorch_profiler_main, V1, argv)
+        assert_one_line_error(code, err)
+        assert "reads; write the output elsewhere" in err, err
+    assert {path: path.read_bytes() for path in before} == before
+
+
 @pytest.mark.parametrize("version_dir, spec_name", [("version1_pytorch_baseline", "v1"),
                                                     ("version2_pytorch_fused", "v2")])
 @pytest.mark.parametrize("script", ["run_pytorch_profiler.py", "run_deepspeed_flops.py"])

@@ -132,7 +132,7 @@ def prove_outputs(*outputs: tuple[str, str | Path | None, str]) -> None:
         (prove_output_dir if kind == "dir" else prove_output_file)(path, flag)
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def same_file(a: Path, b: Path) -> bool:
     """Whether two paths name one file: the same inode where both exist (links, `..`, a second spelling), else
     the same absolute path."""
     try:
@@ -149,5 +149,5 @@ def refuse_output_over_input(outputs, inputs) -> None:
         if out_path is None:
             continue
         for in_flag, in_path in inputs:
-            if in_path is not None and _same_file(Path(out_path), Path(in_path)):
+            if in_path is not None and same_file(Path(out_path), Path(in_path)):
                 raise ConfigError(f"{out_flag} {out_path} is the file {in_flag} reads; write the output elsewhere")

@@ -20,8 +20,8 @@ from pathlib import Path
 from ..cli import (VersionSpec, build_parser, command_line, given_arguments, non_negative_int, parse_or_exit_code,
                    resolve_configs, run_command)
 from ..config import ConfigError, TrainConfig
-from ..paths import ensure_directory
-from .tables import trace_tables, write_reports
+from ..paths import ensure_directory, refuse_output_over_input
+from .tables import REPORT_NAMES, trace_tables, write_reports
 from .trace import TraceError, load_trace, resolve_trace_argument
 
 DEFAULT_PROFILE_STEPS = 12          # steps of a profiler run when --num-steps is not given
@@ -42,6 +42,11 @@ def pytorch_profiler_parser(spec: VersionSpec) -> argparse.ArgumentParser:
     group.add_argument("--generate-report", action="store_true",
                        help="also write profile_report_<version>.md: the run, the tables and the file list")
     return parser
+
+
+def report_path(directory, spec: VersionSpec) -> Path:
+    """Where --generate-report writes its markdown report."""
+    return Path(directory) / f"profile_report_{spec.name}.md"
 
 
 def write_profile_report(path: Path, spec: VersionSpec, command: str, run_lines: list[str],
@@ -69,6 +74,8 @@ def analyze_existing_trace(spec: VersionSpec, args, command: str) -> int:
         print(f"note: {note}")
     trace = load_trace(trace_path)
     out_dir = ensure_directory(args.profile_dir, "--profile-dir") if args.profile_dir else trace_path.parent
+    reports = [out_dir / name for name in REPORT_NAMES] + ([report_path(out_dir, spec)] if args.generate_report else [])
+    refuse_output_over_input([("--profile-dir", path) for path in reports], [("--analyze-existing", trace_path)])
     sort_by = args.sort_by or TrainConfig.sort_by
     try:
         written = write_reports(trace, out_dir, sort_by=sort_by, limit=args.limit)
@@ -79,7 +86,7 @@ def analyze_existing_trace(spec: VersionSpec, args, command: str) -> int:
     files = [f"Chrome trace        : {trace_path}",
              f"Reports             : {', '.join(p.name for p in written.values())} in {out_dir}/"]
     if args.generate_report:
-        report = out_dir / f"profile_report_{spec.name}.md"
+        report = report_path(out_dir, spec)
         write_profile_report(report, spec, command, [f"trace analysed: {trace_path}"], tables, files)
         files.append(f"Report              : {report}")
     print("\n--- Files ---\n" + "\n".join(files))
@@ -87,11 +94,15 @@ def analyze_existing_trace(spec: VersionSpec, args, command: str) -> int:
 
 
 def profile_training_run(spec: VersionSpec, args, argv, command: str) -> int:
-    from ..training.trainer import Trainer   # after parsing, so that --help stays fast
+    from ..training.preflight import run_inputs, settings_files   # after parsing, so that --help stays fast
+    from ..training.trainer import Trainer
     args.enable_pytorch_profiler = True
     if args.num_steps is None:
         args.num_steps = DEFAULT_PROFILE_STEPS
     model_config, train_config = resolve_configs(args)
+    if args.generate_report:   # the trainer checks the files it writes itself; this one is written here
+        refuse_output_over_input([("--generate-report", report_path(train_config.profile_dir, spec))],
+                                 run_inputs(train_config, settings_files(args)))
     ensure_directory(train_config.profile_dir, "--profile-dir")
     trainer = Trainer(spec, model_config, train_config, args, out=sys.stdout, argv=given_arguments(argv))
     result = trainer.run()
@@ -121,7 +132,7 @@ def profile_training_run(spec: VersionSpec, args, argv, command: str) -> int:
                      "plot; see any note above)")
     files.append(f"Reports             : {', '.join(p.name for p in written.values())} in {profile_dir}/")
     if args.generate_report:
-        report = profile_dir / f"profile_report_{spec.name}.md"
+        report = report_path(profile_dir, spec)
         write_profile_report(report, spec, command, run_summary_lines(result.metrics), tables, files)
         files.append(f"Report              : {report}")
     print("\n--- Files ---\n" + "\n".join(files))

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity
 
+from .tables import REPORT_NAMES
+
 
 # Sort keys accepted by --sort-by. torch renamed cuda_* to device_*; both spellings are accepted.
 SORT_KEYS = ("self_device_time_total", "device_time_total", "self_cpu_time_total", "cpu_time_total",
@@ -28,6 +30,23 @@ def key_averages_sort_key(sort_by: str, on_gpu: bool) -> str:
     if not on_gpu and "device" in key:
         key = key.replace("device", "cpu")
     return key
+
+
+def trace_name(version: str) -> str:
+    return f"trace_{version}.json"
+
+
+def memory_timeline_name(version: str) -> str:
+    return f"memory_timeline_{version}.html"
+
+
+def profile_files(profile_dir, version: str, profile_memory: bool) -> list[Path]:
+    """The files a session of `version` writes into `profile_dir` under names known before it starts (the
+    TensorBoard copy's name holds the time it is written, so no existing file has it)."""
+    names = [trace_name(version), *REPORT_NAMES]
+    if profile_memory:
+        names.append(memory_timeline_name(version))
+    return [Path(profile_dir) / name for name in names]
 
 
 class PyTorchProfilerSession:
@@ -47,7 +66,7 @@ class PyTorchProfilerSession:
         self.version, self.device, self.profile_memory = version, device, profile_memory
         self.active_steps = active_steps
         self.total_steps = wait_steps + warmup_steps + active_steps
-        self.trace_path = self.dir / f"trace_{version}.json"
+        self.trace_path = self.dir / trace_name(version)
         activities = [ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
@@ -110,7 +129,7 @@ class PyTorchProfilerSession:
         if not hasattr(self.profiler, "export_memory_timeline"):
             print("note: memory timeline not exported: this torch no longer has profile.export_memory_timeline")
             return None
-        path = self.dir / f"memory_timeline_{self.version}.html"
+        path = self.dir / memory_timeline_name(self.version)
         device_name = "cuda:0" if self.device.type == "cuda" else "cpu"
         try:
             with warnings.catch_warnings():

@@ -137,6 +137,10 @@ def headline(summary: dict) -> list[str]:
     return lines
 
 
+# The files write_reports writes into its directory.
+REPORT_NAMES = ("operators.csv", "kernels.csv", "phases.csv", "families.csv", "summary.md")
+
+
 def write_reports(trace_or_path, out_dir, sort_by: str = "self_device_time",
                   limit: int | None = 20) -> ReportFiles:
     """Write operators.csv, kernels.csv, phases.csv, families.csv (every row) and summary.md (top `limit` rows)
@@ -156,8 +160,7 @@ def write_reports(trace_or_path, out_dir, sort_by: str = "self_device_time",
     summary = summarize(trace)
     summary["sort_by"] = operators.meta["sort_by"]
 
-    names = ("operators.csv", "kernels.csv", "phases.csv", "families.csv", "summary.md")
-    paths = {name: out_dir / name for name in names}
+    paths = {name: out_dir / name for name in REPORT_NAMES}
     _write_csv(paths["operators.csv"], operators, OPERATOR_COLUMNS)
     _write_csv(paths["kernels.csv"], kernels, KERNEL_COLUMNS)
     _write_csv(paths["phases.csv"], phases["rows"], PHASE_COLUMNS)

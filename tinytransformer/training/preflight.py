@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checks import check_input_file
+from ..checks import ConfigError, check_input_file
 from ..config import ModelConfig, TrainConfig, preset_path
 from ..data import text_file_of
 from ..memory import check_fits, estimate_run_bytes
-from ..paths import prove_output_dir, prove_output_file, refuse_output_over_input
-from .checkpoint.files import planned_checkpoints_present
+from ..paths import prove_output_dir, prove_output_file, refuse_output_over_input, same_file
+from ..profiling.session import profile_files
+from .checkpoint.files import is_planned_save, list_checkpoints, planned_checkpoints_present
 from .checkpoint.lock import LOCK_NAME
 from .checkpoint.manager import checkpoints_requested
 
@@ -33,10 +34,17 @@ def run_inputs(train: TrainConfig, settings: list) -> list[tuple[str, str | Path
             ("--deepspeed-config", train.deepspeed_config)]
 
 
-def _run_outputs(train: TrainConfig) -> list[tuple[str, str | Path | None]]:
-    """The files this run writes whose names are known now: the metrics JSON and the checkpoint directory's lock."""
+def _records_a_profile(train: TrainConfig) -> bool:
+    return train.enable_pytorch_profiler or train.profile_memory
+
+
+def _run_outputs(train: TrainConfig, version: str) -> list[tuple[str, str | Path | None]]:
+    """The files this run writes whose names are known now: the metrics JSON, the checkpoint directory's lock and
+    the profiler's trace and reports."""
     lock = Path(train.checkpoint_dir) / LOCK_NAME if checkpoints_requested(train) else None
-    return [("--output-json", train.output_json), ("--checkpoint-dir", lock)]
+    profile = profile_files(train.profile_dir, version, train.profile_memory) if _records_a_profile(train) else []
+    return [("--output-json", train.output_json), ("--checkpoint-dir", lock),
+            *[("--profile-dir", path) for path in profile]]
 
 
 def _checkpoints_to_replace(train: TrainConfig) -> list[tuple[str, Path]]:
@@ -47,7 +55,33 @@ def _checkpoints_to_replace(train: TrainConfig) -> list[tuple[str, Path]]:
     return [("--checkpoint-dir", path) for _, path in present]
 
 
-def prove_run_outputs(train: TrainConfig, settings: list = ()) -> None:
+def _checkpoints_rotated_away(train: TrainConfig) -> list[Path]:
+    """The checkpoint files already in the directory that --keep-last N deletes during this run: after the last
+    save only the N newest of (those present, those this run plans) remain. A resumed run writes fewer than
+    counted here (its step is not known yet): this may name a file such a run would keep. (The extra checkpoint
+    of a run stopped by a signal, at a step of its own, is not foreseen.)"""
+    if not checkpoints_requested(train) or train.keep_last == 0:
+        return []
+    present = dict(list_checkpoints(train.checkpoint_dir))
+    written = [step for step in range(1, train.num_steps + 1)
+               if is_planned_save(step, train.num_steps, train.save_every)]
+    kept = sorted(set(present) | set(written))[-train.keep_last:]
+    return [path for step, path in present.items() if step not in kept]
+
+
+def refuse_rotating_away_inputs(train: TrainConfig, inputs: list) -> None:
+    """--keep-last N deletes the oldest checkpoints of the directory as new ones arrive: a file the run reads
+    (other than --resume, whose rotation is the normal case) that sits there under a checkpoint's name would be
+    deleted too. One line now, not a lost input later."""
+    for checkpoint in _checkpoints_rotated_away(train):
+        for flag, path in inputs:
+            if path is not None and flag != "--resume" and same_file(checkpoint, Path(path)):
+                raise ConfigError(f"{flag} {path} is a checkpoint file of --checkpoint-dir {train.checkpoint_dir}, "
+                                  f"which --keep-last {train.keep_last} deletes as newer ones are written; "
+                                  f"copy it elsewhere or raise --keep-last (0 keeps all)")
+
+
+def prove_run_outputs(train: TrainConfig, version: str, settings: list = ()) -> None:
     """Every file and directory this run may write, proven writable now (rank 0 alone writes them); none may be
     a file the run reads (`settings`: settings_files). The inputs are regular files first: a device or a pipe
     named as one is one line here, not a read that never ends."""
@@ -55,16 +89,17 @@ def prove_run_outputs(train: TrainConfig, settings: list = ()) -> None:
     for flag, path in inputs:
         if path is not None and flag != "--resume":   # read_checkpoint checks its file, with hints of its own
             check_input_file(path, flag)
-    refuse_output_over_input(_run_outputs(train), inputs)
+    refuse_output_over_input(_run_outputs(train, version), inputs)
     # Resuming from a checkpoint of the directory is the normal case: the run writes only later steps' files.
     refuse_output_over_input(_checkpoints_to_replace(train), [pair for pair in inputs if pair[0] != "--resume"])
+    refuse_rotating_away_inputs(train, inputs)
     if train.output_json:
         prove_output_file(train.output_json, "--output-json")
     if checkpoints_requested(train):
         prove_output_dir(train.checkpoint_dir, "--checkpoint-dir")
     if train.tensorboard_dir:
         prove_output_dir(train.tensorboard_dir, "--tensorboard-dir")
-    if train.enable_pytorch_profiler or train.profile_memory:
+    if _records_a_profile(train):
         prove_output_dir(train.profile_dir, "--profile-dir")
 
 

@@ -79,7 +79,7 @@ class Trainer:
         self.deepspeed_config = (deepspeed_engine.prepare_deepspeed(train, self.device) if train.uses_deepspeed
                                  else None)
         if distributed.is_main_process():   # before any work: an output that cannot be written is one line now
-            prove_run_outputs(train, settings_files(args))
+            prove_run_outputs(train, spec.name, settings_files(args))
         # Data parallel: join the job torchrun started (a no-op otherwise); each rank then uses its own GPU.
         self.dist = distributed.setup(train, self.device)
         self.device = self.dist.device

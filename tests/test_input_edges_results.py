@@ -160,6 +160,16 @@ def test_compare_versions_resume_refuses_bad_file(tmp_path, edit):
     assert output.read_text() == before
 
 
+def test_compare_versions_two_outputs_in_one_file_refused(tmp_path):
+    output = write(tmp_path / "F.json", preset_part("tiny"))
+    before = output.read_text()
+    result = run(REPO / "benchmarks/compare_versions.py", "--variants", "v1", "--num-steps", "2", "--warmup-steps",
+                 "1", "--no-profile", "--device", "cpu", "--resume", "--output", output, "--plot",
+                 tmp_path / "." / "F.json")
+    assert_one_line_error(result, "compare_versions.py")
+    assert "also the file --output writes" in result.stderr and output.read_text() == before
+
+
 @pytest.mark.parametrize("batch_size", ["[2]", "0"])
 def test_preset_values_checked_like_training_configs(tmp_path, monkeypatch, batch_size):
     from tinytransformer import config
@@ -207,12 +217,12 @@ def test_report_cli_bad_sort_key_one_line(tmp_path):
     assert_one_line_error(run("-m", "tinytransformer.profiling.report_cli", path, "--sort-by", "bogus"))
 
 
-@pytest.mark.parametrize("flags", [["--output-json", "{trace}"], ["--top", "-3"], ["--min-share", "nan"],
-                                   ["--top", "abc"]])
+@pytest.mark.parametrize("flags", [["--output-json", "{trace}"], ["--output-json", "{report}"], ["--top", "-3"],
+                                   ["--min-share", "nan"], ["--top", "abc"]])
 def test_analyze_bottlenecks_flags(tmp_path, flags):
     trace = write(tmp_path / "T.json", UNUSABLE_TRACES[1])
     before = trace.read_text()
-    flags = [flag.format(trace=trace) for flag in flags]
+    flags = [flag.format(trace=trace, report=tmp_path / "r.md") for flag in flags]
     assert_one_line_error(run(REPO / "version1_pytorch_baseline/analyze_bottlenecks.py", "--profile-data", trace,
                               "--output-report", tmp_path / "r.md", *flags))
     assert trace.read_text() == before

@@ -131,6 +131,17 @@ def test_inputs_among_the_checkpoints_that_keep_last_deletes_are_refused(checkpo
     capsys.readouterr()
 
 
+def test_outputs_of_one_run_are_distinct_files(tmp_path, capsys):
+    checkpoints, profiles = tmp_path / "C", tmp_path / "P"
+    line = refused(capsys, v1_main, *TINY, "--num-steps", "2", "--save-every", "1", "--checkpoint-dir",
+                   str(checkpoints), "--output-json", str(checkpoints / "ckpt_step00000009.pt"))
+    assert "checkpoint's name" in line
+    line = refused(capsys, v1_main, *TINY, "--num-steps", "2", "--enable-pytorch-profiler", "--profile-dir",
+                   str(profiles), "--output-json", str(profiles / "summary.md"))
+    assert "also the file --output-json writes" in line
+    assert not checkpoints.exists() and not profiles.exists()
+
+
 def test_planned_checkpoint_path_that_is_a_directory_fails_before_training(tmp_path, capsys):
     (tmp_path / "D" / "ckpt_step00000002.pt").mkdir(parents=True)
     metrics = tmp_path / "D.json"

@@ -125,7 +125,9 @@ def ensure_directory(path: str | Path, flag: str) -> Path:
 
 
 def prove_outputs(*outputs: tuple[str, str | Path | None, str]) -> None:
-    """Each (flag, path, "file" or "dir") given (path not None), proven; the first problem raises ConfigError."""
+    """Each (flag, path, "file" or "dir") given (path not None), proven, and no two files the same; the first
+    problem raises ConfigError."""
+    refuse_shared_outputs([(flag, path) for flag, path, kind in outputs if kind == "file"])
     for flag, path, kind in outputs:
         if path is None:
             continue
@@ -139,6 +141,17 @@ def same_file(a: Path, b: Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return a.resolve() == b.resolve()
+
+
+def refuse_shared_outputs(outputs) -> None:
+    """Two outputs of one command naming one file ((flag, path or None) each) would leave only the one written
+    last: one line (ConfigError) before any work."""
+    named = [(flag, path) for flag, path in outputs if path is not None]
+    for index, (flag, path) in enumerate(named):
+        for earlier_flag, earlier_path in named[:index]:
+            if same_file(Path(path), Path(earlier_path)):
+                raise ConfigError(f"{flag} {path} is also the file {earlier_flag} writes; give each output its "
+                                  f"own file")
 
 
 def refuse_output_over_input(outputs, inputs) -> None:

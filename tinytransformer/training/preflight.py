@@ -8,9 +8,10 @@ from ..checks import ConfigError, check_input_file
 from ..config import ModelConfig, TrainConfig, preset_path
 from ..data import text_file_of
 from ..memory import check_fits, estimate_run_bytes
-from ..paths import prove_output_dir, prove_output_file, refuse_output_over_input, same_file
+from ..paths import (prove_output_dir, prove_output_file, refuse_output_over_input, refuse_shared_outputs,
+                     same_file)
 from ..profiling.session import profile_files
-from .checkpoint.files import is_planned_save, list_checkpoints, planned_checkpoints_present
+from .checkpoint.files import FILE_PATTERN, is_planned_save, list_checkpoints, planned_checkpoints_present
 from .checkpoint.lock import LOCK_NAME
 from .checkpoint.manager import checkpoints_requested
 
@@ -81,6 +82,17 @@ def refuse_rotating_away_inputs(train: TrainConfig, inputs: list) -> None:
                                   f"copy it elsewhere or raise --keep-last (0 keeps all)")
 
 
+def refuse_output_named_like_a_checkpoint(train: TrainConfig) -> None:
+    """--output-json in the checkpoint directory under a checkpoint's name would be listed (and rotated, resumed
+    from, replaced) as one."""
+    if not train.output_json or not checkpoints_requested(train):
+        return
+    output = Path(train.output_json)
+    if FILE_PATTERN.match(output.name) and same_file(output.parent, Path(train.checkpoint_dir)):
+        raise ConfigError(f"--output-json {output} has a checkpoint's name in --checkpoint-dir "
+                          f"{train.checkpoint_dir}; name the metrics file otherwise")
+
+
 def prove_run_outputs(train: TrainConfig, version: str, settings: list = ()) -> None:
     """Every file and directory this run may write, proven writable now (rank 0 alone writes them); none may be
     a file the run reads (`settings`: settings_files). The inputs are regular files first: a device or a pipe
@@ -89,7 +101,10 @@ def prove_run_outputs(train: TrainConfig, version: str, settings: list = ()) -> 
     for flag, path in inputs:
         if path is not None and flag != "--resume":   # read_checkpoint checks its file, with hints of its own
             check_input_file(path, flag)
-    refuse_output_over_input(_run_outputs(train, version), inputs)
+    outputs = _run_outputs(train, version)
+    refuse_shared_outputs(outputs)
+    refuse_output_over_input(outputs, inputs)
+    refuse_output_named_like_a_checkpoint(train)
     # Resuming from a checkpoint of the directory is the normal case: the run writes only later steps' files.
     refuse_output_over_input(_checkpoints_to_replace(train), [pair for pair in inputs if pair[0] != "--resume"])
     refuse_rotating_away_inputs(train, inputs)

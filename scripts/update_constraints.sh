@@ -3,7 +3,8 @@
 #
 # usage: bash scripts/update_constraints.sh [PYTHON]      (PYTHON: the interpreter to build the environment
 #                                                         with; default python3)
-# 1. a fresh virtual environment in a temporary directory; torch's CPU build first, as README's set-up does;
+# 1. a fresh virtual environment in a temporary directory; torch's CPU build first, as README's set-up does,
+#    but its newest release (installing the pinned one would hold torch back);
 # 2. requirements.txt WITHOUT the old constraints: the newest versions within its ranges;
 # 3. the whole test suite (README's test command); only if it passes is constraints.txt rewritten.
 # Commit the new constraints.txt with the suite's summary line in the message.
@@ -17,7 +18,7 @@ trap 'rm -rf "$workdir"' EXIT
 # shellcheck disable=SC1091
 source "$workdir/venv/bin/activate"
 python -m pip install -q --upgrade pip
-bash .ci/install_torch_cpu.sh
+bash .ci/install_torch_cpu.sh newest
 python -m pip install -q -r requirements.txt -r requirements-peers.txt
 python -m pip freeze --exclude-editable | sed -e 's/+cpu$//' | LC_ALL=C sort -f > "$workdir/frozen.txt"
 

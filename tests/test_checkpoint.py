@@ -129,6 +129,17 @@ def test_keep_last_removes_the_oldest(tmp_path):
     assert [s for s, _ in list_checkpoints(tmp_path / "c")] == [35, 40]
 
 
+def test_newest_planned_saves_follow_the_trainers_rule_without_walking_every_step():
+    for num_steps in range(1, 40):
+        for save_every in range(0, 12):
+            every = [step for step in range(num_steps, 0, -1)
+                     if ckpt_files.is_planned_save(step, num_steps, save_every)]
+            for count in range(0, 5):
+                assert ckpt_files.newest_planned_saves(num_steps, save_every, count) == every[:count]
+    # The largest run a flag allows: its newest saves, not two billion steps walked.
+    assert ckpt_files.newest_planned_saves(2**31 - 1, 1000, 3) == [2**31 - 1, 2147483000, 2147482000]
+
+
 def test_listing_a_directory_removed_meanwhile(tmp_path, monkeypatch):
     """A run starting in another process creates the directory for its writability probe and removes it again: a
     listing that saw the directory and then finds it gone lists nothing, it does not fail."""
@@ -447,3 +458,4 @@ def test_resume_auto_with_only_damaged_checkpoints_is_exit_2(good_checkpoint, tm
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "none of the 1 checkpoint" in err[0]
     assert snapshot(directory) == before
+

@@ -11,7 +11,7 @@ from ..memory import check_fits, estimate_run_bytes
 from ..paths import (prove_output_dir, prove_output_file, refuse_output_over_input, refuse_shared_outputs,
                      same_file)
 from ..profiling.session import profile_files
-from .checkpoint.files import FILE_PATTERN, is_planned_save, list_checkpoints, planned_checkpoints_present
+from .checkpoint.files import FILE_PATTERN, list_checkpoints, newest_planned_saves, planned_checkpoints_present
 from .checkpoint.lock import LOCK_NAME
 from .checkpoint.manager import checkpoints_requested
 
@@ -64,8 +64,7 @@ def _checkpoints_rotated_away(train: TrainConfig) -> list[Path]:
     if not checkpoints_requested(train) or train.keep_last == 0:
         return []
     present = dict(list_checkpoints(train.checkpoint_dir))
-    written = [step for step in range(1, train.num_steps + 1)
-               if is_planned_save(step, train.num_steps, train.save_every)]
+    written = newest_planned_saves(train.num_steps, train.save_every, train.keep_last)
     kept = sorted(set(present) | set(written))[-train.keep_last:]
     return [path for step, path in present.items() if step not in kept]
 

@@ -1,6 +1,7 @@
 """Checkpoint files: their names, listing them, the atomic write, rotation, and leftovers of interrupted writes."""
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from pathlib import Path
@@ -42,6 +43,16 @@ def is_planned_save(step: int, num_steps: int, save_every: int, after_step: int 
     """Whether a run of `num_steps` steps (resumed after `after_step`) writes the checkpoint of `step`: every
     `save_every` steps and at the end (the trainer's rule), none when save_every is 0."""
     return bool(save_every) and after_step < step <= num_steps and (step % save_every == 0 or step == num_steps)
+
+
+def newest_planned_saves(num_steps: int, save_every: int, count: int) -> list[int]:
+    """The `count` newest steps whose checkpoints a run of `num_steps` steps writes (is_planned_save's rule),
+    newest first, found without walking every step (a run may plan two billion)."""
+    if not save_every or count <= 0:
+        return []
+    last_multiple = num_steps - num_steps % save_every
+    final = [num_steps] if last_multiple != num_steps else []
+    return (final + list(itertools.islice(range(last_multiple, 0, -save_every), count)))[:count]
 
 
 def planned_checkpoints_present(directory: str | Path, num_steps: int, save_every: int,

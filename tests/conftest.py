@@ -1,4 +1,5 @@
-"""Test set-up: Triton's interpreter on CPU-only machines, the repository root on sys.path, the gpu marker."""
+"""Test set-up: Triton's interpreter on CPU-only machines, the repository root on sys.path, the gpu and
+interpreter markers."""
 import os
 import sys
 from pathlib import Path
@@ -19,15 +20,60 @@ import torch  # noqa: E402
 from tinytransformer.precision import restore_state, saved_state  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
+# Triton chooses once per process, when a kernel is defined, between compiling for the GPU and interpreting on the
+# CPU. Where this process sees a GPU, it compiles, and a Triton kernel handed CPU tensors cannot run.
+INTERPRETER_ON = triton_support.interpreter_active()
+
+RUN_INTERPRETER_TESTS = "CUDA_VISIBLE_DEVICES= python -m pytest -q -m interpreter"
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_GPU:
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a GPU (CUDA or ROCm); none found")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    if not HAS_GPU:
+        skip_gpu = pytest.mark.skip(reason="needs a GPU (CUDA or ROCm); none found")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+    if not INTERPRETER_ON:
+        skip_interpreter = pytest.mark.skip(
+            reason="runs Triton kernels on the CPU in this process, and this process compiles Triton for its GPU; "
+                   f"these run with: {RUN_INTERPRETER_TESTS}")
+        for item in items:
+            if "interpreter" in item.keywords:
+                item.add_marker(skip_interpreter)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Where a test's Triton kernels run must be said, so that the same suite passes on a GPU machine
+# ----------------------------------------------------------------------------------------------------------
+# A test that launches Triton kernels in its own process either follows the machine (it asks for the `device`
+# fixture: the GPU where there is one, else the interpreter) or runs them on the CPU whatever the machine has (it
+# is marked `interpreter`, and skipped where Triton compiles for a GPU). On a machine without a GPU both kinds run
+# in the interpreter and look alike, so the interpreter counts launches here, and a test that launched kernels
+# without saying which kind it is fails: on a GPU machine it would have handed CPU tensors to compiled kernels.
+interpreted_launches = [0]
+
+if INTERPRETER_ON:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    _interpret = InterpretedFunction.run
+
+    def _counted_interpret(self, *args, **kwargs):
+        interpreted_launches[0] += 1
+        return _interpret(self, *args, **kwargs)
+
+    InterpretedFunction.run = _counted_interpret
+
+
+@pytest.fixture(autouse=True)
+def triton_launches_say_where_they_run(request):
+    # The slow tests have not yet been sorted this way, so they are not held to it.
+    said = ({"gpu", "interpreter", "slow"} & set(request.node.keywords)) or "device" in request.fixturenames
+    before = interpreted_launches[0]
+    yield
+    if INTERPRETER_ON and not said and interpreted_launches[0] > before:
+        pytest.fail("this test launched Triton kernels without saying where they run: ask for the `device` "
+                    "fixture (the GPU where there is one) or mark it @pytest.mark.interpreter (CPU tensors, "
+                    "skipped where Triton compiles for a GPU)", pytrace=False)
 
 
 @pytest.fixture

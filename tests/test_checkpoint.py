@@ -318,6 +318,7 @@ def test_v1_checkpoint_resumes_in_v2_and_back(reference, tmp_path):
     assert back["loss"]["history"] == pytest.approx(expected, rel=1e-4)
 
 
+@pytest.mark.interpreter
 def test_v1_checkpoint_resumes_in_v4_and_back(tmp_path):
     """Version 4 (Triton kernels; the CPU runs them in Triton's interpreter, so only two steps)."""
     v4 = pytest.importorskip("version4_triton_ultra.tiny_llama_v4")

@@ -153,6 +153,7 @@ def exchanged_embedding_worker(rank: int, world: int, port: int, out_dir: str) -
         dist.destroy_process_group()
 
 
+@pytest.mark.interpreter
 def test_row_exchange_gives_both_ranks_the_same_summed_table_gradient(tmp_path):
     """Through the model's kernel: the table's gradient is the sum of both ranks' (float64 reference), the same
     bits on both ranks; the norm weight's stays each rank's own (the usual all-reduce sums it)."""

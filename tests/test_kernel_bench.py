@@ -57,6 +57,7 @@ def run_json(main, tmp_path, *flags):
 # ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("script", [v3, v4], ids=["v3", "v4"])
+@pytest.mark.usefixtures("device")   # the script runs on the machine's device, as the fixture does
 def test_check_passes_at_tiny_size(script, dtype, tmp_path, capsys):
     code, report = run_json(script.main, tmp_path, "--check", "--dtype", dtype, *TINY)
     assert code == 0, capsys.readouterr().out
@@ -71,6 +72,7 @@ def test_check_passes_at_tiny_size(script, dtype, tmp_path, capsys):
 
 
 @CPU_ONLY
+@pytest.mark.interpreter
 def test_bfloat16_flash_attention_is_skipped_loudly_in_the_interpreter(tmp_path, capsys):
     code, report = run_json(v3.main, tmp_path, "--check", "--dtype", "bfloat16", "--kernel",
                             "flash_attention,rmsnorm", *TINY)
@@ -231,6 +233,7 @@ def fake_timing(monkeypatch):
 
 
 @pytest.mark.parametrize("script", [v3, v4], ids=["v3", "v4"])
+@pytest.mark.usefixtures("device")   # the script runs on the machine's device, as the fixture does
 def test_timing_path_rows_table_footnote_and_json(script, fake_timing, tmp_path, capsys):
     flags = [*TINY, "--kernel", "rmsnorm,swiglu,flash_attention"] if script is v3 else TINY
     code, report = run_json(script.main, tmp_path, *flags)
@@ -269,6 +272,7 @@ def test_timing_path_rows_table_footnote_and_json(script, fake_timing, tmp_path,
             assert report["byte_models"][f"{op.name} {direction}"] == formula
 
 
+@pytest.mark.usefixtures("device")   # the script runs on the machine's device, as the fixture does
 def test_timing_path_bfloat16_runs_every_direction(fake_timing, capsys):
     """Timing (not checking) in bfloat16 under the interpreter: the autograd plumbing works for every op."""
     assert v4.main(["--dtype", "bfloat16", *TINY]) == 0
@@ -278,12 +282,14 @@ def test_timing_path_bfloat16_runs_every_direction(fake_timing, capsys):
 # ----------------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("device")   # the script runs on the machine's device, as the fixture does
 def test_kernel_filter_keeps_the_order_given_and_drops_repeats(tmp_path):
     code, report = run_json(v3.main, tmp_path, "--check", "--kernel", "rope,rmsnorm,rope", *TINY)
     assert code == 0
     assert list(dict.fromkeys(row["op"] for row in report["checks"])) == ["rope", "rmsnorm"]
 
 
+@pytest.mark.usefixtures("device")   # the script runs on the machine's device, as the fixture does
 def test_shape_validation_only_for_the_selected_kernels(tmp_path):
     # head dim 48 is not a flash attention size, but rmsnorm does not care
     code, report = run_json(v3.main, tmp_path, "--check", "--kernel", "rmsnorm", "--hidden-dim", "96",

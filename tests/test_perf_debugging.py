@@ -105,6 +105,7 @@ def test_strided_swiglu_matches_float64_reference(rows, n_cols, layout, dtype, d
         assert grad.stride() == gate_up.stride()
 
 
+@pytest.mark.interpreter
 def test_strided_swiglu_autograd_through_a_transposed_product():
     """The stage-2 path end to end: W @ x^T, transposed view, strided SwiGLU; gradients of x and W."""
     generator = torch.Generator().manual_seed(2)
@@ -202,6 +203,7 @@ def test_naive_linear_forward_and_backward(shape, out_features, dtype, device, n
 # Stages 2 and 4 compute what stage 5 (version 3) computes
 # ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stage", [2, 4])
+@pytest.mark.interpreter
 def test_stage_model_matches_version3(stage):
     weights = canonical(SMALL, seed=1)
     inputs, targets = random_batch(SMALL, batch=1, seq=19, device="cpu", seed=2)
@@ -230,6 +232,7 @@ def test_stage1_loader_copies_nothing_and_the_one_line_fix_does():
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")   # the interpreter's sigmoid of huge gates
+@pytest.mark.interpreter
 def test_stage1_loss_starts_absurdly_high_and_stays_far_above_stage5(tmp_path):
     steps = ["--num-steps", "4", "--warmup-steps", "1"]
     broken = run_cli(TINY_RUN + steps + ["--stage", "1"], tmp_path, "stage1")
@@ -286,6 +289,7 @@ def test_host_clock_timer_measures_only_the_queueing(monkeypatch):
     assert "stage 3 timer: median" in printed.getvalue()
 
 
+@pytest.mark.interpreter
 def test_stage3_reports_its_host_timer_next_to_the_harness_timing(tmp_path, capsys):
     metrics = run_cli(TINY_RUN + ["--num-steps", "4", "--warmup-steps", "1", "--stage", "3"], tmp_path, "stage3")
     printed = capsys.readouterr().out
@@ -315,6 +319,7 @@ def test_describe_names_the_stage_and_leaves_stage5_unchanged():
 
 
 @pytest.mark.parametrize("stage", [2, 4])
+@pytest.mark.interpreter
 def test_stage_trains_through_the_command_line(stage, tmp_path):
     metrics = run_cli(TINY_RUN + ["--num-steps", "2", "--stage", str(stage)], tmp_path, f"stage{stage}")
     assert all(math.isfinite(v) for v in metrics["loss"]["history"])

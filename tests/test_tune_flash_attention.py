@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinytransformer.triton_support import interpreter_active
 from version3_triton import tune_flash_attention as tuner
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +27,7 @@ def test_candidate_configs():
     assert tuner.parse_shapes("8x8x128, 2x4x64") == [(8, 8, 128), (2, 4, 64)]
 
 
-@pytest.mark.skipif(not interpreter_active(), reason="the CPU check runs the kernels in Triton's interpreter")
+@pytest.mark.interpreter
 def test_tuner_launches_match_the_library():
     from version3_triton.kernels import flash_attention as fa
     torch.manual_seed(0)

@@ -16,18 +16,17 @@ from version4_triton_ultra import run_bandwidth_benchmarks as bench
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = "version4_triton_ultra/run_bandwidth_benchmarks.py"
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL = kernels.Width(rows=48, hidden=96, seq_len=16)   # 96: not a power of two, so the kernels' masks are used
 
 
 @pytest.mark.parametrize("kernel", kernels.KERNELS, ids=kernels.KERNEL_NAMES)
-def test_every_kernel_passes_its_check(kernel):
-    error, tolerance = bench.worst_error(kernel, SMALL, DEVICE)
+def test_every_kernel_passes_its_check(kernel, device):
+    error, tolerance = bench.worst_error(kernel, SMALL, device)
     assert error <= tolerance
 
 
 @pytest.mark.parametrize("kernel", kernels.KERNELS, ids=kernels.KERNEL_NAMES)
-def test_a_wrong_kernel_fails_its_check(kernel):
+def test_a_wrong_kernel_fails_its_check(kernel, device):
     """The same kernel with the last column of its first output zeroed, as a mask one column short would leave
     it: the check must see it."""
     def wrong_outputs(inputs):
@@ -42,7 +41,7 @@ def test_a_wrong_kernel_fails_its_check(kernel):
         last_run[:] = [kernel.run(inputs)]
 
     broken = dataclasses.replace(kernel, run=run_and_keep, outputs=wrong_outputs)
-    error, tolerance = bench.worst_error(broken, SMALL, DEVICE)
+    error, tolerance = bench.worst_error(broken, SMALL, device)
     assert error > tolerance
 
 
@@ -91,7 +90,7 @@ def test_interpreter_run_refuses_sizes_that_would_take_hours_and_checks_small_on
     assert all(c["ok"] for c in report["checks"]) and report["results"] == []
 
 
-def test_timed_graph_takes_turns_on_its_input_sets_and_finishes_each_capture(monkeypatch):
+def test_timed_graph_takes_turns_on_its_input_sets_and_finishes_each_capture(monkeypatch, device):
     """What the graph records, without a GPU: the launches cycle through the input sets, and every set's
     after-capture hook (AdamW's finish_capture) runs once the capture is done."""
     made, seen, finished = [], [], []
@@ -108,7 +107,7 @@ def test_timed_graph_takes_turns_on_its_input_sets_and_finishes_each_capture(mon
         return "graph"
     monkeypatch.setattr(bench, "captured_launches", capture)
     monkeypatch.setattr(bench, "buffer_count", lambda bytes_read: 3)
-    graph, sets = bench.timed_graph(kernel, SMALL, DEVICE)
+    graph, sets = bench.timed_graph(kernel, SMALL, device)
     assert graph == "graph" and [s["id"] for s in sets] == [0, 1, 2]
     assert seen == [i % 3 for i in range(bench.LAUNCHES_PER_GRAPH)]
     assert finished == [0, 1, 2]

@@ -291,6 +291,7 @@ def test_header_on_the_cpu_says_exact_float32_in_the_interpreter(tf32, monkeypat
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the header of a run on a machine without a GPU")
+@pytest.mark.interpreter
 def test_cpu_run_header_has_no_tf32_claim(tmp_path, capsys):
     code = v4_main(["--hidden-dim", "32", "--num-heads", "2", "--num-layers", "1", "--intermediate-size", "32",
                     "--vocab-size", "64", "--batch-size", "2", "--seq-len", "16", "--num-steps", "1"])

@@ -21,6 +21,9 @@ from tinytransformer.config import ModelConfig, TrainConfig
 from version4_triton_ultra import graphed_step
 from version4_triton_ultra.tiny_llama_v4 import TinyLlama
 
+# The stand-ins run the model's Triton kernels on CPU tensors.
+pytestmark = pytest.mark.interpreter
+
 
 class StreamStandIn:
     """The weight-gradient stream, with every GEMM run when it is queued. It also tracks which stream the host is

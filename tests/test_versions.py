@@ -10,7 +10,6 @@ import torch
 
 from tinytransformer.config import ModelConfig
 from tinytransformer.precision import set_tf32, tf32_enabled, tf32_setting
-from tinytransformer.triton_support import interpreter_active
 
 from .equivalence import canonical, compare, forward_backward, random_batch
 
@@ -31,11 +30,10 @@ GPU_BFLOAT16 = 2e-2
 SMALL = ModelConfig(vocab_size=101, hidden_dim=64, num_layers=2, num_heads=2, intermediate_size=96, max_seq_len=48)
 
 
-def needs_triton_on_the_cpu(version):
-    """Versions 3 and 4 run their Triton kernels on CPU tensors only in Triton's interpreter, which is on only
-    where there is no GPU: on a GPU machine their CPU tests skip (the gpu-marked tests cover them there)."""
-    if version in ("v3", "v4") and not interpreter_active():
-        pytest.skip("Triton kernels on CPU tensors need the interpreter (TRITON_INTERPRET=1), off with a GPU")
+def versions(*names):
+    """Parameters for the named versions; versions 3 and 4 run Triton kernels on CPU tensors here, so theirs are
+    marked `interpreter` (skipped where Triton compiles for a GPU; the gpu-marked tests cover them there)."""
+    return [pytest.param(name, marks=[pytest.mark.interpreter] if name in ("v3", "v4") else []) for name in names]
 
 
 def model_class(version):
@@ -48,10 +46,9 @@ def model_class(version):
     return module.TinyLlama
 
 
-@pytest.mark.parametrize("version", ["v1", "v2", "v3", "v4"])
+@pytest.mark.parametrize("version", versions("v1", "v2", "v3", "v4"))
 def test_every_parameter_gets_a_finite_nonzero_gradient(version):
     """A kernel launched outside an autograd.Function silently cuts the graph: this catches it."""
-    needs_triton_on_the_cpu(version)
     model = model_class(version)(SMALL)
     model.load_canonical(canonical(SMALL, seed=3))
     inputs, targets = random_batch(SMALL, batch=2, seq=19, device="cpu")
@@ -63,9 +60,8 @@ def test_every_parameter_gets_a_finite_nonzero_gradient(version):
         assert param.grad.abs().sum() > 0, f"{version}: {name} has an all-zero gradient"
 
 
-@pytest.mark.parametrize("version", ["v2", "v3", "v4"])
+@pytest.mark.parametrize("version", versions("v2", "v3", "v4"))
 def test_matches_v1_on_cpu_in_float32(version):
-    needs_triton_on_the_cpu(version)
     weights = canonical(SMALL, seed=1)
     inputs, targets = random_batch(SMALL, batch=2, seq=37, device="cpu", seed=2)   # 37: not a power of two
     reference = forward_backward(model_class("v1")(SMALL), weights, inputs, targets)
@@ -153,9 +149,9 @@ def v4_with_switch(model, switch):
     return model
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("switch", V4_SWITCHES)
 def test_v4_with_a_switch_matches_v1_on_cpu(switch):
-    needs_triton_on_the_cpu("v4")
     weights = canonical(SMALL, seed=1)
     inputs, targets = random_batch(SMALL, batch=2, seq=37, device="cpu", seed=2)
     reference = forward_backward(model_class("v1")(SMALL), weights, inputs, targets)

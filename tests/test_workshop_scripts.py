@@ -192,6 +192,7 @@ def test_validate_fails_below_the_rounding_error(capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
+@pytest.mark.interpreter
 def test_validate_triton_version_in_the_interpreter_uses_a_small_model(capsys):
     assert validate.main(["--optimized", "../version3_triton/tiny_llama_v3.py", "--device", "cpu"]) == 0
     out = capsys.readouterr().out

@@ -199,15 +199,15 @@ def shape_problem_of_flags(flags: list[str]) -> str | None:
 
 
 def check_arguments(args, device):
+    problem = shape_problem_of_args(args)   # first: a shape this version cannot run is wrong on any device
+    if problem:
+        raise ConfigError(problem)
     if device.type == "cpu" and not interpreter_active():
         raise ConfigError("version 3's Triton kernels were compiled for the GPU; for a CPU run start with "
                           "TRITON_INTERPRET=1 (Triton's interpreter) or omit --device cpu")
     if device.type == "cpu" and args.use_amp:
         raise ConfigError("--use-amp with Triton's CPU interpreter is not supported: the interpreter computes "
                           "bfloat16 dot products wrongly; run float32 on the CPU or use a GPU")
-    problem = shape_problem_of_args(args)
-    if problem:
-        raise ConfigError(problem)
 
 
 def describe(args) -> dict:

@@ -612,6 +612,10 @@ def shape_problem_of_flags(flags: list[str]) -> str | None:
 
 
 def check_arguments(args, device):
+    config, train = resolve_configs(args)
+    problem = shape_problem_of_run(args, config, train)   # first: a shape this version cannot run is wrong anywhere
+    if problem:
+        raise ConfigError(problem)
     if device.type == "cpu" and not interpreter_active():
         raise ConfigError("version 4's Triton kernels were compiled for the GPU; for a CPU run start with "
                           "TRITON_INTERPRET=1 (Triton's interpreter) or omit --device cpu")
@@ -620,10 +624,6 @@ def check_arguments(args, device):
                           "bfloat16 dot products wrongly; run float32 on the CPU or use a GPU")
     if args.graph_warmup_steps < 1:
         raise ConfigError("--graph-warmup-steps must be at least 1 (the optimizer state must exist before capture)")
-    config, train = resolve_configs(args)
-    problem = shape_problem_of_run(args, config, train)
-    if problem:
-        raise ConfigError(problem)
     probed = device
     if device.type == "cuda":   # the GPU this rank will use (under torchrun before the harness selects it)
         probed = torch.device("cuda", distributed.launcher_int(os.environ, "LOCAL_RANK")

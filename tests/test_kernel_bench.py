@@ -34,6 +34,8 @@ SEED = BenchShape(batch_size=8, seq_len=128, hidden_dim=256, num_heads=8, interm
                   vocab_size=1000, dtype=torch.float32)
 SEED_BF16 = dataclasses.replace(SEED, dtype=torch.bfloat16)
 CPU_ONLY = pytest.mark.skipif(HAS_GPU, reason="exercises the no-GPU (interpreter) behaviour")
+# The scripts pick the machine's device themselves (the GPU, else the interpreter), as the `device` fixture does.
+ON_THE_MACHINES_DEVICE = pytest.mark.usefixtures("device")
 EXPECTED_TENSORS = {
     "rmsnorm": ["y", "grad x", "grad weight"],
     "rope": ["q_rot", "k_rot", "grad q", "grad k"],
@@ -57,7 +59,7 @@ def run_json(main, tmp_path, *flags):
 # ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("script", [v3, v4], ids=["v3", "v4"])
-@pytest.mark.usefixtures("device")   # the script runs on the machine's device, as the fixture does
+@ON_THE_MACHINES_DEVICE
 def test_check_passes_at_tiny_size(script, dtype, tmp_path, capsys):
     code, report = run_json(script.main, tmp_path, "--check", "--dtype", dtype, *TINY)
     assert code == 0, capsys.readouterr().out
@@ -233,7 +235,7 @@ def fake_timing(monkeypatch):
 
 
 @pytest.mark.parametrize("script", [v3, v4], ids=["v3", "v4"])
-@pytest.mark.usefixtures("device")   # the script runs on the machine's device, as the fixture does
+@ON_THE_MACHINES_DEVICE
 def test_timing_path_rows_table_footnote_and_json(script, fake_timing, tmp_path, capsys):
     flags = [*TINY, "--kernel", "rmsnorm,swiglu,flash_attention"] if script is v3 else TINY
     code, report = run_json(script.main, tmp_path, *flags)
@@ -272,7 +274,7 @@ def test_timing_path_rows_table_footnote_and_json(script, fake_timing, tmp_path,
             assert report["byte_models"][f"{op.name} {direction}"] == formula
 
 
-@pytest.mark.usefixtures("device")   # the script runs on the machine's device, as the fixture does
+@ON_THE_MACHINES_DEVICE
 def test_timing_path_bfloat16_runs_every_direction(fake_timing, capsys):
     """Timing (not checking) in bfloat16 under the interpreter: the autograd plumbing works for every op."""
     assert v4.main(["--dtype", "bfloat16", *TINY]) == 0
@@ -282,14 +284,14 @@ def test_timing_path_bfloat16_runs_every_direction(fake_timing, capsys):
 # ----------------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------------
-@pytest.mark.usefixtures("device")   # the script runs on the machine's device, as the fixture does
+@ON_THE_MACHINES_DEVICE
 def test_kernel_filter_keeps_the_order_given_and_drops_repeats(tmp_path):
     code, report = run_json(v3.main, tmp_path, "--check", "--kernel", "rope,rmsnorm,rope", *TINY)
     assert code == 0
     assert list(dict.fromkeys(row["op"] for row in report["checks"])) == ["rope", "rmsnorm"]
 
 
-@pytest.mark.usefixtures("device")   # the script runs on the machine's device, as the fixture does
+@ON_THE_MACHINES_DEVICE
 def test_shape_validation_only_for_the_selected_kernels(tmp_path):
     # head dim 48 is not a flash attention size, but rmsnorm does not care
     code, report = run_json(v3.main, tmp_path, "--check", "--kernel", "rmsnorm", "--hidden-dim", "96",

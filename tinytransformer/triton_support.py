@@ -21,6 +21,7 @@ def enable_interpreter_if_no_gpu(verbose: bool = False) -> bool:
         raise RuntimeError("triton was imported before the interpreter could be enabled; "
                            "call enable_interpreter_if_no_gpu() before importing triton")
     os.environ["TRITON_INTERPRET"] = "1"
+    repair_interpreter_for_numpy()
     if verbose:
         print("No GPU found: running Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1); "
               "correct but slow.")
@@ -29,6 +30,67 @@ def enable_interpreter_if_no_gpu(verbose: bool = False) -> bool:
 
 def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton's interpreter before 3.7 with NumPy 2.4 or newer
+# ----------------------------------------------------------------------------------------------------------
+# In the interpreter a program id or a scalar argument is a one-element NumPy array, and a kernel that uses one
+# as a `range` bound (`for start in range(program * BLOCK, n, ...)`: most kernels here) makes the interpreter
+# call int() on that array. NumPy 2.4 refuses int() of an array that is not 0-dimensional, so with Triton 3.6 or
+# older (torch 2.11 pins Triton 3.6) and NumPy 2.4 or newer, those kernels stop with "only 0-dimensional arrays
+# can be converted to Python scalars" (triton-lang/triton issue 9171). Triton 3.7 converts the array's single
+# element instead; where the two versions meet, the interpreter is given that conversion here.
+FIRST_TRITON_WITH_THE_CONVERSION = (3, 7)
+FIRST_NUMPY_THAT_REFUSES = (2, 4)
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def interpreter_needs_the_numpy_repair(triton_version: str, numpy_version: str) -> bool:
+    return (_release(triton_version) < FIRST_TRITON_WITH_THE_CONVERSION
+            and _release(numpy_version) >= FIRST_NUMPY_THAT_REFUSES)
+
+
+def _one_element_as_int(tensor) -> int:
+    return int(tensor.handle.data.reshape(-1)[0])
+
+
+def repair_interpreter_for_numpy() -> bool:
+    """Where Triton's interpreter cannot turn a one-element array into an int (above), teach it to. Only with the
+    interpreter on (importing triton picks its mode); returns whether the interpreter now carries the repair."""
+    if not interpreter_active():
+        return False
+    try:
+        import numpy
+        import triton
+    except ImportError:   # no Triton (it is Linux-only): nothing to repair
+        return False
+    if not interpreter_needs_the_numpy_repair(triton.__version__, numpy.__version__):
+        return False
+    from triton.runtime import interpreter
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None:   # a Triton laid out otherwise: leave it as it is
+        return False
+    if getattr(patch_tensor, "converts_one_element", False):
+        return True
+
+    def patch_tensor_then_index(tensor, *args, **kwargs):
+        patch_tensor(tensor, *args, **kwargs)
+        # Some releases record each patched attribute in a scope that restores it after the launch, others set
+        # it directly. Either way, replace the __index__ just set.
+        scope = args[0] if args else kwargs.get("scope")
+        if scope is not None and hasattr(scope, "set_attr"):
+            scope.set_attr(tensor, "__index__", _one_element_as_int)
+        else:
+            tensor.__index__ = _one_element_as_int
+
+    patch_tensor_then_index.converts_one_element = True
+    interpreter._patch_lang_tensor = patch_tensor_then_index
+    return True
 
 
 # The most programs a launch grid may have along its second and third axes (CUDA's limit on gridDim.y and z;
@@ -169,3 +231,7 @@ def shared_memory_per_program(device: torch.device) -> int:
 def _driver_shared_memory(device_index: int) -> int:
     import triton   # here, not at the top: enable_interpreter_if_no_gpu must run before the first import
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+# A process started with TRITON_INTERPRET=1 gets the repair when the first kernel module imports this one.
+repair_interpreter_for_numpy()

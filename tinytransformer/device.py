@@ -90,6 +90,13 @@ def describe(device: torch.device) -> DeviceInfo:
     return DeviceInfo("cpu", "cpu", name, "CPU", torch.__version__, 1)
 
 
+def release(version: str) -> tuple[int, int]:
+    """The major and minor release of a package's version string: (2, 11) for "2.11.0+cu130", (3, 6) for
+    "3.6.0rc1", so that a feature's first release can be compared with what is installed."""
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
 def software_and_gpu(on_gpu: bool = True) -> dict:
     """What a benchmark's JSON records about the machine it ran on: Python, torch, Triton (None when absent) and
     the platform; with on_gpu and a GPU present, the GPU's name and the backend (CUDA or ROCm and its version)."""

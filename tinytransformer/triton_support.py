@@ -12,6 +12,8 @@ import sys
 
 import torch
 
+from tinytransformer.device import release
+
 
 def enable_interpreter_if_no_gpu(verbose: bool = False) -> bool:
     """Turn on Triton's CPU interpreter when no GPU is present. Returns True when the interpreter is on."""
@@ -45,14 +47,9 @@ FIRST_TRITON_WITH_THE_CONVERSION = (3, 7)
 FIRST_NUMPY_THAT_REFUSES = (2, 4)
 
 
-def _release(version: str) -> tuple[int, int]:
-    major, minor = version.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
 def interpreter_needs_the_numpy_repair(triton_version: str, numpy_version: str) -> bool:
-    return (_release(triton_version) < FIRST_TRITON_WITH_THE_CONVERSION
-            and _release(numpy_version) >= FIRST_NUMPY_THAT_REFUSES)
+    return (release(triton_version) < FIRST_TRITON_WITH_THE_CONVERSION
+            and release(numpy_version) >= FIRST_NUMPY_THAT_REFUSES)
 
 
 def _one_element_as_int(tensor) -> int:

@@ -4,6 +4,7 @@ below is the spec's make_step hook, as the other step strategies are reached thr
 """
 import torch
 
+from tinytransformer.device import release
 from tinytransformer.gradient_sync import rows_cheaper_than_table
 from tinytransformer.profiling.ranges import profile_range
 from tinytransformer.training.captured_step import GraphReplayedStep, captures_step
@@ -30,8 +31,7 @@ def node_priorities_in(torch_version: str, hip_version) -> bool:
     """On CUDA from PyTorch 2.10, which instantiates graphs with cudaGraphInstantiateFlagUseNodePriority (before it,
     every kernel of a replay ran at the launching stream's priority); not on ROCm (hip_version set), where PyTorch
     instantiates HIP graphs without that flag."""
-    major_minor = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
-    return hip_version is None and major_minor >= NODE_PRIORITY_TORCH
+    return hip_version is None and release(torch_version) >= NODE_PRIORITY_TORCH
 
 
 # --embedding-grad-sync: how the embedding's gradient is summed over the ranks (GraphedStep._embedding_row_exchange).

@@ -18,7 +18,9 @@ from tinytransformer.device import release
 def enable_interpreter_if_no_gpu(verbose: bool = False) -> bool:
     """Turn on Triton's CPU interpreter when no GPU is present. Returns True when the interpreter is on."""
     if torch.cuda.is_available():
-        return os.environ.get("TRITON_INTERPRET") == "1"
+        if interpreter_active():   # set by the user on a GPU machine: a CPU run of version 3 or 4
+            repair_interpreter_for_numpy()
+        return interpreter_active()
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("triton was imported before the interpreter could be enabled; "
                            "call enable_interpreter_if_no_gpu() before importing triton")
@@ -230,5 +232,8 @@ def _driver_shared_memory(device_index: int) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
-# A process started with TRITON_INTERPRET=1 gets the repair when the first kernel module imports this one.
-repair_interpreter_for_numpy()
+# A kernel module imports triton, then this module: if this is the first import of it, with the interpreter on,
+# the repair is made now. Importing triton here instead would fix its mode too early for a process that turns the
+# interpreter off before its kernels are defined (benchmarks/kernel_report/discovery.py: import_versions).
+if "triton" in sys.modules:
+    repair_interpreter_for_numpy()

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from tinytransformer.device import release
+from tinytransformer.device import is_rocm as torch_built_for_rocm, release
 
 
 def enable_interpreter_if_no_gpu(verbose: bool = False) -> bool:
@@ -161,9 +161,9 @@ def is_gpu(device: torch.device) -> bool:
 
 def is_rocm() -> bool:
     """True on AMD GPUs: PyTorch's ROCm build reports a HIP version and still uses the torch.cuda API."""
-    if _known_gpu is not None:
+    if _known_gpu is not None:   # the kernel report's stand-in GPU answers for the GPU it stands in for
         return _known_gpu.vendor == "amd"
-    return torch.version.hip is not None
+    return torch_built_for_rocm()
 
 
 def threads_per_warp() -> int:

@@ -66,8 +66,9 @@ if INTERPRETER_ON:
 
 @pytest.fixture(autouse=True)
 def triton_launches_say_where_they_run(request):
-    # The slow tests have not yet been sorted this way, so they are not held to it.
-    said = ({"gpu", "interpreter", "slow"} & set(request.node.keywords)) or "device" in request.fixturenames
+    # Every test is held to it, the slow ones included: a test that launches Triton kernels in its own process
+    # says whether they run on the GPU (the `device` fixture, or the gpu mark) or on CPU tensors (interpreter).
+    said = ({"gpu", "interpreter"} & set(request.node.keywords)) or "device" in request.fixturenames
     before = interpreted_launches[0]
     yield
     if INTERPRETER_ON and not said and interpreted_launches[0] > before:

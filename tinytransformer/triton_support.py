@@ -21,7 +21,7 @@ def enable_interpreter_if_no_gpu(verbose: bool = False) -> bool:
         if interpreter_active():   # set by the user on a GPU machine: a CPU run of version 3 or 4
             repair_interpreter_for_numpy()
         return interpreter_active()
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    if "triton" in sys.modules and not interpreter_active():
         raise RuntimeError("triton was imported before the interpreter could be enabled; "
                            "call enable_interpreter_if_no_gpu() before importing triton")
     os.environ["TRITON_INTERPRET"] = "1"

@@ -15,6 +15,7 @@ from version1_pytorch_baseline.tiny_llama_v1 import TinyLlama
 
 REPO = Path(__file__).resolve().parent.parent
 COMMITTED = REPO / "benchmarks" / "results" / "kernel_time" / "h200_step_floor.json"
+EVERY_COMMITTED = sorted(COMMITTED.parent.glob("*_step_floor.json"))
 SIZES = [ModelConfig(), ModelConfig(vocab_size=300, hidden_dim=96, num_layers=3, num_heads=3, intermediate_size=160)]
 
 
@@ -71,12 +72,14 @@ def test_data_sheet_floor_is_the_work_over_the_peaks():
     assert rows["AdamW"] == pytest.approx(step_work.memory_passes(config, batch, seq)["AdamW"] / 3.35e9)
 
 
-def test_committed_floors_follow_from_the_committed_ceilings():
-    """The committed file's floors are what this code makes of its ceilings: the file and the counts agree."""
-    committed = json.loads(COMMITTED.read_text())
+@pytest.mark.parametrize("path", EVERY_COMMITTED, ids=lambda path: path.name)
+def test_committed_floors_follow_from_the_committed_ceilings(path):
+    """Each committed file's floors are what this code makes of its ceilings: the file and the counts agree."""
+    committed = json.loads(path.read_text())
     assert committed["environment"]["gpu"] and committed["command"].startswith("python benchmarks/step_floor.py")
+    assert committed["note"], path.name
     presets = list(committed["floors"])
-    ceilings = step_floor.ceilings_from_file(str(COMMITTED), presets)
+    ceilings = step_floor.ceilings_from_file(str(path), presets)
     for name in presets:
         remade = sum(row["floor_ms"] for row in step_floor.floor_rows(name, ceilings))
         assert remade == pytest.approx(committed["floors"][name]["floor_ms"], rel=1e-9), name

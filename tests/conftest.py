@@ -50,6 +50,9 @@ def pytest_collection_modifyitems(config, items):
 # is marked `interpreter`, and skipped where Triton compiles for a GPU). On a machine without a GPU both kinds run
 # in the interpreter and look alike, so the interpreter counts launches here, and a test that launched kernels
 # without saying which kind it is fails: on a GPU machine it would have handed CPU tensors to compiled kernels.
+# A test that starts a child process running version 3 or 4 with --device cpu gives it TRITON_INTERPRET=1 in its
+# environment itself. Here, without a GPU, the child inherits the variable from this process and passes either way;
+# on a GPU machine this process never sets it, and the child, compiling for the GPU, refuses the CPU run.
 interpreted_launches = [0]
 
 if INTERPRETER_ON:

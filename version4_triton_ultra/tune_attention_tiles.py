@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser  # noqa: E402
+from tinytransformer.kernel_bench.correctness import dots_tolerance, relative_error  # noqa: E402
 from tinytransformer.kernel_bench.timing import median_ms  # noqa: E402
 from tinytransformer.kernel_bench.tuner_cli import candidates_from_flags, refuse_without_gpu  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
@@ -37,7 +38,6 @@ enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GP
 from version4_triton_ultra.kernels import flash_attention as fa  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}   # as tests/attention_checks.py
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); for dk/dv BLOCK_N is the keys a program owns, BLOCK_M the query step.
 CANDIDATES = {
     "forward": [(64, 32, 4, 1), (64, 64, 4, 1), (128, 64, 8, 1), (128, 128, 8, 1), (64, 64, 4, 2), (64, 64, 4, 3),
@@ -133,10 +133,6 @@ class Problem:
         return out.detach(), grads
 
 
-def relative_error(got, want):
-    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
-
-
 def portable_launch_config(head_dim, dtype, seq_len, name, *rest, **options):
     """fa._launch_config's signature, version 3's choice on every GPU."""
     return fa._portable_launch_config(head_dim, dtype, name)
@@ -169,13 +165,14 @@ def measure(kernel, timed, checked, reference, dtype):
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     dtype = DTYPES[args.dtype]
+    tolerance = dots_tolerance(dtype, torch.device("cuda"))   # float32 through TF32 on NVIDIA, as the kernels run
     torch.manual_seed(0)
     timed = Problem(args.batch, args.heads, args.seq_len, args.head_dim, dtype)
     checked = Problem(1, 2, args.seq_len, args.head_dim, dtype)
     reference = checked.reference()
     print(f"{torch.cuda.get_device_name()}: {args.shape}, head dim {args.head_dim}, {args.dtype}, causal; "
           f"us per call of the pass (do_bench's median); error against float64 (tolerance "
-          f"{TOLERANCE[dtype]:.0e})")
+          f"{tolerance:.0e})")
     original = fa._launch_config
     others = portable_launch_config if args.others == "portable" else original
     print(f"the kernels not being tuned run with the {args.others} tiles")
@@ -187,7 +184,7 @@ def main(argv=None) -> int:
             fa._launch_config = with_tiles(kernel, tiles, others)
             try:
                 us, error = measure(kernel, timed, checked, reference, dtype)
-                verdict = "ok" if error < TOLERANCE[dtype] else "WRONG"
+                verdict = "ok" if error < tolerance else "WRONG"
                 shown = f"{us:9.1f} us  error {error:.1e}  {verdict}"
             except Exception as why:   # noqa: BLE001 - a config this GPU cannot compile or run is not a candidate
                 shown = f"fails: {str(why).splitlines()[0][:80]}"

@@ -149,7 +149,7 @@ def with_tiles(kernel, tiles, others):
     return launch_config
 
 
-def measure(kernel, timed, checked, reference, dtype):
+def measure(kernel, timed, checked, reference):
     """(microseconds, largest relative error) of the pass `kernel` belongs to, under the current _launch_config."""
     if kernel == "forward":
         us = 1000.0 * median_ms(timed.forward)
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
         for tiles in [current_tiles] + [t for t in candidates if t != current_tiles]:
             fa._launch_config = with_tiles(kernel, tiles, others)
             try:
-                us, error = measure(kernel, timed, checked, reference, dtype)
+                us, error = measure(kernel, timed, checked, reference)
                 verdict = "ok" if error < tolerance else "WRONG"
                 shown = f"{us:9.1f} us  error {error:.1e}  {verdict}"
             except Exception as why:   # noqa: BLE001 - a config this GPU cannot compile or run is not a candidate

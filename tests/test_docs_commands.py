@@ -41,7 +41,8 @@ Where a command runs
 
 The smoke-size substitution (what makes a 100-step GPU command a 3-second CPU command; test_doc_command)
   The environment of every command has WORKSHOP_SMOKE=1, TRITON_INTERPRET=1 and CUDA_VISIBLE_DEVICES=""
-  (so even on a GPU machine everything runs on the CPU), and `python`, `python3`, `python3.X` and $PYTHON
+  (so even on a GPU machine everything runs on the CPU; under pytest-xdist also OMP_NUM_THREADS, each worker's
+  share of the cores), and `python`, `python3`, `python3.X` and $PYTHON
   are a small shim placed first on PATH. When the shim is asked to run a script named tiny_llama_v*.py or
   run_*.py (also when a shell wrapper such as run_all_profilers.sh starts it), it rewrites the script's flags with
   `smoke_argv` below: the values of the flags in SMOKE_FLAGS that are present are replaced, the missing
@@ -96,7 +97,19 @@ def docs_sandbox(tmp_path_factory):
         "MPLBACKEND": "Agg",
         "PYTHONDONTWRITEBYTECODE": "1",
     })
+    env.update(thread_share_of_one_worker())
     return repo, env
+
+
+def thread_share_of_one_worker() -> dict:
+    """Under pytest-xdist (`-n N`), each worker's commands get an even share of the machine's cores for torch's CPU
+    threads. Otherwise every command of N workers starts a thread per core, and N times more threads than cores
+    can slow a block of many short runs past DOCS_COMMAND_TIMEOUT. A single process (CI), or a thread count
+    set by the caller, is left alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // workers))}
 
 
 
@@ -118,6 +131,19 @@ def test_doc_command(command: DocCommand, docs_sandbox):
         pytest.fail(f"{command.where}: still running after {TIMEOUT_S} s: {command.short()}", pytrace=False)
     if result.returncode not in allowed_exit_codes(command.text):
         pytest.fail(failure_report(command, result), pytrace=False)
+
+
+def test_xdist_workers_share_the_cores_and_a_single_process_is_left_alone(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    assert thread_share_of_one_worker() == {}
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "8")
+    assert thread_share_of_one_worker() == {"OMP_NUM_THREADS": "2"}
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "32")
+    assert thread_share_of_one_worker() == {"OMP_NUM_THREADS": "1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert thread_share_of_one_worker() == {}
 
 
 def test_few_commands_are_skipped():

@@ -36,7 +36,9 @@ Where a command runs
   overwrite files of the real tree; (3) other people edit the tree while tests run. Commands of one block run
   one after another; the block's earlier state-changing commands (cd, export, pushd, VAR=value, ...) are
   replayed before each command, so "cd version2_pytorch_fused" followed by "bash run_all_profilers.sh"
-  works. Each block starts again from the markdown file's directory. A command passes when it exits with 0
+  works. Each block starts again from the markdown file's directory. A command whose document's earlier
+  commands have not run in this process (`pytest -k` chose it alone; pytest-xdist gave them to another worker)
+  runs them first, since it may read what they wrote. A command passes when it exits with 0
   (diff: 0 or 1) under `set -o pipefail`, within DOCS_COMMAND_TIMEOUT seconds (default 300).
 
 The smoke-size substitution (what makes a 100-step GPU command a 3-second CPU command; test_doc_command)
@@ -120,17 +122,65 @@ def as_param(command: DocCommand):
     return pytest.param(command, marks=marks, id=command.where)
 
 
+@pytest.fixture(scope="session")
+def ran_in_sandbox() -> set:
+    """The commands (their `where`) this process has run in its docs_sandbox, passed or not."""
+    return set()
+
+
 @pytest.mark.parametrize("command", [as_param(c) for c in DOC_COMMANDS])
-def test_doc_command(command: DocCommand, docs_sandbox):
+def test_doc_command(command: DocCommand, docs_sandbox, ran_in_sandbox):
     if command.skip:
         pytest.skip(f"{command.where}: {command.skip}: {command.short(80)}")
     repo, env = docs_sandbox
-    try:
-        result = run_command(command, repo, env)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{command.where}: still running after {TIMEOUT_S} s: {command.short()}", pytrace=False)
+    run_the_earlier_commands_of_its_document(command, repo, env, ran_in_sandbox)
+    ran_in_sandbox.add(command.where)
+    result = run_or_fail_on_timeout(command, repo, env)
     if result.returncode not in allowed_exit_codes(command.text):
         pytest.fail(failure_report(command, result), pytrace=False)
+
+
+def run_the_earlier_commands_of_its_document(command: DocCommand, repo, env, ran: set,
+                                             in_order: list = DOC_COMMANDS) -> None:
+    """A command may read what an earlier command of its document wrote (train, then sample from the checkpoint).
+    In a whole run, in order, those have already run here; when they have not (`pytest -k` chose this command alone,
+    or pytest-xdist gave them to another worker, whose copy of the repository this one does not see), they run
+    first, and this command's test fails if one of them does."""
+    for earlier in in_order:
+        if earlier is command:
+            return
+        if earlier.path != command.path or earlier.skip or earlier.where in ran:
+            continue
+        ran.add(earlier.where)
+        result = run_or_fail_on_timeout(earlier, repo, env)
+        if result.returncode not in allowed_exit_codes(earlier.text):
+            pytest.fail(f"{earlier.where}, run first because {command.where} may need what it writes, failed:\n"
+                        + failure_report(earlier, result), pytrace=False)
+
+
+def run_or_fail_on_timeout(command: DocCommand, repo, env):
+    try:
+        return run_command(command, repo, env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{command.where}: still running after {TIMEOUT_S} s: {command.short()}", pytrace=False)
+
+
+def test_a_command_alone_first_runs_the_earlier_commands_of_its_document_and_fails_with_them(tmp_path):
+    write = DocCommand("guide.md", 3, "echo trained > model.txt", [], None)
+    other_document = DocCommand("other.md", 3, "exit 1", [], None)
+    skipped = DocCommand("guide.md", 5, "nvidia-smi", [], "needs a GPU tool")
+    read = DocCommand("guide.md", 7, "grep -q trained model.txt", [], None)
+    in_order = [write, other_document, skipped, read]
+    ran = set()
+    run_the_earlier_commands_of_its_document(read, tmp_path, dict(os.environ), ran, in_order)
+    assert ran == {"guide.md:3"} and (tmp_path / "model.txt").read_text() == "trained\n"
+    (tmp_path / "model.txt").unlink()
+    run_the_earlier_commands_of_its_document(read, tmp_path, dict(os.environ), ran, in_order)
+    assert not (tmp_path / "model.txt").exists(), "a command that already ran here ran again"
+
+    broken = DocCommand("guide.md", 3, "exit 3", [], None)
+    with pytest.raises(pytest.fail.Exception, match="guide.md:3, run first because guide.md:7"):
+        run_the_earlier_commands_of_its_document(read, tmp_path, dict(os.environ), set(), [broken, read])
 
 
 def test_xdist_workers_share_the_cores_and_a_single_process_is_left_alone(monkeypatch):

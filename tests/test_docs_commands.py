@@ -114,7 +114,6 @@ def thread_share_of_one_worker() -> dict:
     return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // workers))}
 
 
-
 def as_param(command: DocCommand):
     """Commands of the exercises (about two thirds of all, mostly the guides' commands at more sizes) are marked
     slow, so the default test run stays short on a 2-core CI machine; `pytest -m slow` runs them."""
@@ -135,9 +134,9 @@ def test_doc_command(command: DocCommand, docs_sandbox, ran_in_sandbox):
     repo, env = docs_sandbox
     run_the_earlier_commands_of_its_document(command, repo, env, ran_in_sandbox)
     ran_in_sandbox.add(command.where)
-    result = run_or_fail_on_timeout(command, repo, env)
-    if result.returncode not in allowed_exit_codes(command.text):
-        pytest.fail(failure_report(command, result), pytrace=False)
+    failure = failure_of(command, repo, env)
+    if failure:
+        pytest.fail(failure, pytrace=False)
 
 
 def run_the_earlier_commands_of_its_document(command: DocCommand, repo, env, ran: set,
@@ -152,17 +151,21 @@ def run_the_earlier_commands_of_its_document(command: DocCommand, repo, env, ran
         if earlier.path != command.path or earlier.skip or earlier.where in ran:
             continue
         ran.add(earlier.where)
-        result = run_or_fail_on_timeout(earlier, repo, env)
-        if result.returncode not in allowed_exit_codes(earlier.text):
+        failure = failure_of(earlier, repo, env)
+        if failure:
             pytest.fail(f"{earlier.where}, run first because {command.where} may need what it writes, failed:\n"
-                        + failure_report(earlier, result), pytrace=False)
+                        + failure, pytrace=False)
 
 
-def run_or_fail_on_timeout(command: DocCommand, repo, env):
+def failure_of(command: DocCommand, repo, env) -> str | None:
+    """Runs the command: None when it passes, else the report of how it failed."""
     try:
-        return run_command(command, repo, env)
+        result = run_command(command, repo, env)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{command.where}: still running after {TIMEOUT_S} s: {command.short()}", pytrace=False)
+        return f"{command.where}: still running after {TIMEOUT_S} s: {command.short()}"
+    if result.returncode not in allowed_exit_codes(command.text):
+        return failure_report(command, result)
+    return None
 
 
 def test_a_command_alone_first_runs_the_earlier_commands_of_its_document_and_fails_with_them(tmp_path):

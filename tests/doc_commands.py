@@ -280,6 +280,18 @@ def run_command(command: DocCommand, repo: Path, env: dict,
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+def failure_of(command: DocCommand, repo: Path, env: dict, timeout: float = TIMEOUT_S) -> str | None:
+    """Runs the command: None when it passes, else the report of how it failed (its exit code and output, or
+    that it was still running after timeout seconds)."""
+    try:
+        result = run_command(command, repo, env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"{command.where}: still running after {timeout} s: {command.short()}"
+    if result.returncode not in allowed_exit_codes(command.text):
+        return failure_report(command, result)
+    return None
+
+
 def failure_report(command: DocCommand, result, tail: int = 40) -> str:
     output = (result.stdout + result.stderr).splitlines()
     return textwrap.dedent(f"""\

@@ -70,13 +70,11 @@ What is skipped (each skip appears in `pytest -rs` with its file, line and reaso
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 
-from .doc_commands import (COVERED_BY_CI, DOC_COMMANDS, MAX_SKIPPED_FRACTION, REPO, TIMEOUT_S, DocCommand,
-                           allowed_exit_codes, copy_repository, failure_report, is_pytest, run_command, shell_tokens,
-                           simple_commands)
+from .doc_commands import (COVERED_BY_CI, DOC_COMMANDS, MAX_SKIPPED_FRACTION, REPO, DocCommand, copy_repository,
+                           failure_of, is_pytest, shell_tokens, simple_commands)
 from .doc_shim import write_python_shim
 
 
@@ -155,17 +153,6 @@ def run_the_earlier_commands_of_its_document(command: DocCommand, repo, env, ran
         if failure:
             pytest.fail(f"{earlier.where}, run first because {command.where} may need what it writes, failed:\n"
                         + failure, pytrace=False)
-
-
-def failure_of(command: DocCommand, repo, env) -> str | None:
-    """Runs the command: None when it passes, else the report of how it failed."""
-    try:
-        result = run_command(command, repo, env)
-    except subprocess.TimeoutExpired:
-        return f"{command.where}: still running after {TIMEOUT_S} s: {command.short()}"
-    if result.returncode not in allowed_exit_codes(command.text):
-        return failure_report(command, result)
-    return None
 
 
 def test_a_command_alone_first_runs_the_earlier_commands_of_its_document_and_fails_with_them(tmp_path):

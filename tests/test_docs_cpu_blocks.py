@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 
 import pytest
 
 from .doc_commands import (CPU_BLOCKS, CPU_COMMAND_LIMIT_S, CPU_TIME_FACTOR, CPU_TIME_SLACK_S, DOC_BLOCKS, LABEL_FORMS,
-                           allowed_exit_codes, copy_repository, failure_report, label_of, python_shims,
-                           run_command, workshop_scripts)
+                           copy_repository, failure_of, label_of, python_shims, workshop_scripts)
 
 
 def test_workshop_commands_are_labelled():
@@ -71,14 +69,10 @@ def test_cpu_block_runs_as_written(block, commands, cpu_sandbox):
     total, lines = 0.0, []
     for command in commands:
         started = time.perf_counter()
-        try:
-            result = run_command(command, repo, env, timeout=CPU_COMMAND_LIMIT_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{command.where}: still running after {CPU_COMMAND_LIMIT_S} s on the CPU: "
-                        f"{command.short()}", pytrace=False)
+        failure = failure_of(command, repo, env, timeout=CPU_COMMAND_LIMIT_S)
         seconds = time.perf_counter() - started
-        if result.returncode not in allowed_exit_codes(command.text):
-            pytest.fail(failure_report(command, result), pytrace=False)
+        if failure:
+            pytest.fail(failure, pytrace=False)
         total += seconds
         lines.append(f"  {seconds:6.1f} s  {command.where}  {command.short(90)}")
         if os.environ.get("TT_DOCS_CPU_TIMES"):

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 
 import pytest
 
-from .doc_commands import (DOC_BLOCKS, GPU_TIMED_LABEL, REPO, allowed_exit_codes, copy_repository, failure_report,
-                           label_of, python_shims, run_command)
+from .doc_commands import (DOC_BLOCKS, GPU_TIMED_LABEL, REPO, copy_repository, failure_of, label_of,
+                           python_shims)
 
 GPU_BLOCKS = [(block, commands) for block, commands in DOC_BLOCKS if label_of(block)[0] == "gpu"]
 MEASURED = REPO / "benchmarks" / "results" / "docs" / "gpu_block_times.json"
@@ -97,14 +96,10 @@ def test_gpu_block_runs_as_written(block, commands, gpu_sandbox):
             lines.append(f"  skipped  {command.where}  ({command.skip})")
             continue
         started = time.perf_counter()
-        try:
-            result = run_command(command, repo, env, timeout=GPU_COMMAND_LIMIT_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{command.where}: still running after {GPU_COMMAND_LIMIT_S} s: {command.short()}",
-                        pytrace=False)
+        failure = failure_of(command, repo, env, timeout=GPU_COMMAND_LIMIT_S)
         seconds = time.perf_counter() - started
-        if result.returncode not in allowed_exit_codes(command.text):
-            pytest.fail(failure_report(command, result), pytrace=False)
+        if failure:
+            pytest.fail(failure, pytrace=False)
         total += seconds
         lines.append(f"  {seconds:6.1f} s  {command.where}  {command.short(90)}")
     print(f"\n{block.where}: {total:.1f} s on the GPU\n" + "\n".join(lines))

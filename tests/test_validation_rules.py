@@ -158,6 +158,33 @@ def test_host_memory_is_known_here():
     assert host_available_bytes() > 0
 
 
+# Other processes on the GPU (pytest-xdist's other workers keep what their tests allocated cached) can leave too
+# little memory for the large preset. Only then is running out of memory not the estimate's fault.
+SHARED_GPU_BYTES = 2 * 2**30
+OWN_CONTEXT_BYTES = 2**30   # this process's CUDA context, which mem_get_info counts but memory_reserved does not
+
+
+def gpu_bytes_other_processes_hold() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved() - OWN_CONTEXT_BYTES
+
+
+def ran_out_of_gpu_memory(stderr: str) -> bool:
+    """The script's two one-line refusals: the allocator's failure, or the estimate above the free memory."""
+    return "out of GPU memory" in stderr or ("of GPU memory" in stderr and "is available" in stderr)
+
+
+def test_both_gpu_memory_refusals_are_recognised(monkeypatch):
+    import tinytransformer.memory as memory
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device: 1000)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 2**40)
+    with pytest.raises(ConfigError) as refusal:
+        check_fits(Estimate(2000, 0, 0, 0), torch.device("cuda"))
+    assert ran_out_of_gpu_memory(str(refusal.value))
+    assert ran_out_of_gpu_memory("tiny_llama_v1.py: error: out of GPU memory (CUDA out of memory. Tried to allocate")
+    assert not ran_out_of_gpu_memory("this run needs about 2.00 GiB of host memory (...) but 1.00 GiB is available")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["tiny", "small", "medium", "large"])
 def test_gpu_estimate_within_25_percent_of_the_measured_peak(preset, tmp_path):
@@ -166,8 +193,13 @@ def test_gpu_estimate_within_25_percent_of_the_measured_peak(preset, tmp_path):
     from tinytransformer.config import preset_path, split_settings
     out = tmp_path / "m.json"
     script = REPO_ROOT / "version1_pytorch_baseline" / "tiny_llama_v1.py"
+    held_before = gpu_bytes_other_processes_hold()
     result = subprocess.run([sys.executable, str(script), "--preset", preset, "--num-steps", "3", "--device", "cuda",
                              "--output-json", str(out)], capture_output=True, text=True, timeout=300)
+    held = max(held_before, gpu_bytes_other_processes_hold())
+    if result.returncode != 0 and ran_out_of_gpu_memory(result.stderr) and held > SHARED_GPU_BYTES:
+        pytest.skip(f"other processes held {held / 2**30:.1f} GiB of the GPU; run this test alone to measure the "
+                    f"peak ({result.stderr.strip()[:160]})")
     assert result.returncode == 0, result.stderr[-2000:]
     model_settings, train_settings = split_settings(load_yaml(preset_path(preset)))
     estimate = estimate_run_bytes(ModelConfig(**model_settings), TrainConfig(**train_settings))

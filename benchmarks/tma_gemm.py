@@ -4,7 +4,7 @@ Version 4 leaves every plain GEMM of its step to the vendor BLAS (cuBLAS, hipBLA
 Triton GEMM written for the GPU do better? This kernel is a plain GEMM written in Triton for Hopper GPUs (measured
 on an H200), so that the answer is measured, not assumed: compare_gemm_backends.py, beside it, times it against
 cuBLAS at every GEMM of a preset's step, in the operand layouts the step uses. No version of the model calls it
-(version 4's README, "Can a Triton GEMM beat cuBLAS here?", has the figures).
+(version 4's MEASUREMENTS.md, "Can a Triton GEMM beat cuBLAS here?", has the figures).
 
 What it does that the GEMMs with epilogues (swiglu_gemm.py, qkv_rope_gemm.py) do not:
   - Tensor descriptors. A descriptor names a matrix in global memory (base, shape, strides) and a tile shape; one

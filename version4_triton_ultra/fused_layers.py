@@ -39,8 +39,8 @@ from version4_triton_ultra.kernels.swiglu_gemm import down_swiglu_backward, gate
 # pass costs. The threshold lies between the two smallest shapes. In float32 (TF32) on an H200 the epilogues took
 # 4.2% longer at small and 10.7% at medium (compare_step_forms.py). Not measured on AMD (hipBLASLt).
 # Each kernel alone on an H200, under 10 launches (small, medium, large) and in Hopper forms (tensor descriptors,
-# one program per SM; medium, large), the epilogue GEMMs still lost to the vendor form (version 4's README, "Can a
-# Triton GEMM beat cuBLAS here?").
+# one program per SM; medium, large), the epilogue GEMMs still lost to the vendor form (version 4's MEASUREMENTS.md,
+# "Can a Triton GEMM beat cuBLAS here?").
 SEPARATE_SWIGLU_FROM_MULTIPLY_ADDS = 2 ** 30
 
 

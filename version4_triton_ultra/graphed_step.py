@@ -14,7 +14,7 @@ from tinytransformer.training.step import EagerStep
 # default and the second stream's, is the lowest; -1 is above it. Under torchrun the collectives' high-priority
 # stream (distributed.nccl_options) stays above both: PyTorch gives it the top of its range, -3 where the device
 # allows (unless TORCH_NCCL_HIGH_PRIORITY=0: then it sits with the second stream). What it buys, per preset:
-# version 4's README, "The critical path first".
+# version 4's MEASUREMENTS.md, "The critical path first".
 CAPTURE_PRIORITY = -1
 
 # The first PyTorch release whose CUDA graphs run each kernel at the priority it was captured with.

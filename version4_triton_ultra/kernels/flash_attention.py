@@ -173,7 +173,7 @@ def _store_rows_rotated_back(base, rows, row_stride, seq_len, x, Cos, Sin, BLOCK
     conversion in the compiled code; rebuilding the rotated block with rotate_half before one store sent the
     float32 block through shared memory twice more, at the end of programs whose loops are short: the backward
     pass took 155.3 us instead of 142.5 at the medium preset's shape on an H200, and 438.9 instead of 391.3 at the
-    large one's (the same bits either way; version 4's README, "The attention backward's RoPE").
+    large one's (the same bits either way; version 4's MEASUREMENTS.md, "The attention backward's RoPE").
     """
     half: tl.constexpr = HEAD_DIM // 2
     x1, x2 = tl.split(tl.permute(tl.reshape(x.to(tl.float32), (BLOCK, 2, half)), (0, 2, 1)))

@@ -16,7 +16,7 @@ CPU interpreter, or `--no-programmatic-launch`) the branch is compiled away.
 Our kernels never say early that the next one may launch. Saying it as a program starts was tried: the next
 kernel's programs were then placed during this kernel's last wave and held their SM slots while they waited,
 and the small preset's step took 2.4% longer; waiting only, it took the same time as without, and the seed
-model's 1.7% less (version 4's README, "Triton kernels launched before the one before them has completed").
+model's 1.7% less (version 4's MEASUREMENTS.md, "Triton kernels launched before the one before them has completed").
 
 Only kernels launched with the attribute are launched early: the vendor GEMMs (cuBLAS), cuDNN's attention and
 PyTorch's own kernels are launched as before, each once the kernel before it has completed.

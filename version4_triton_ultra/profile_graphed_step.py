@@ -57,8 +57,8 @@ from tinytransformer.profiling.kernel_names import LOSS_FAMILY  # noqa: E402
 # kernels carry names such as nvjet_*, cutlass_*, sm90_xmma_gemm_* (cuBLAS on NVIDIA), Cijk_* (hipBLASLt / Tensile
 # on AMD), plus cuBLAS's split-K reductions. These families are version 4's own, grouped by what a kernel is FOR
 # in its step (the norms' weight-gradient sums count as norms, the loss's scaling kernel as loss), which is how
-# the README's "where the time goes" table reads. run_ultra_profiling.py keeps a coarser table that fits all
-# four versions (PyTorch's element-wise, copy and reduction kernels by kind), for the census.
+# MEASUREMENTS.md's "Where the seed step's time went" table reads. run_ultra_profiling.py keeps a coarser table
+# that fits all four versions (PyTorch's element-wise, copy and reduction kernels by kind), for the census.
 KERNEL_FAMILIES = (
     ("attention", r"flash_attention|sdpa|fmha"),   # ours; cuDNN's fused attention (names with sdpa or fmha)
     ("SwiGLU between vendor GEMMs (Triton)", r"separate_swiglu"),   # the feed-forward's form from ~1 G multiply-adds

@@ -24,7 +24,8 @@ def test_graph_and_eager_losses_match_step_for_step(tmp_path, precision):
     eager = losses_of(tmp_path, "eager", ["--no-cuda-graph", *precision])
     assert len(graphed) == len(eager) == 25
     for step, (g, e) in enumerate(zip(graphed, eager)):
-        # Same kernels, same order: only the capturable optimizer's device-side step counter differs.
+        # Same kernels, same order: only the capturable optimizer's device-side step counter differs (and, under
+        # autocast, the graph's weight gradients are the eager step's rounded to 16 bits).
         assert g == pytest.approx(e, rel=1e-3), f"step {step}: graph {g} vs eager {e}"
     assert graphed[-1] < graphed[0] - 1.0   # and it trains
 
@@ -219,17 +220,29 @@ def test_profile_graphed_step_kernel_families():
     assert family_totals(rows) == [("loss", 30.0), ("norms", 27.0), ("other", 2.0)]
 
 
-def gradients_after_backward(config, inputs, targets, amp: bool, stream: bool, backward_passes: int = 1):
+def gradients_after_backward(config, inputs, targets, amp: bool, stream: bool, backward_passes: int = 1,
+                             sixteen_bit: bool = False):
+    """{name: gradient} after the backward passes; with sixteen_bit, a weight's 16-bit gradient widened where the
+    stream wrote one (and then the weight has no .grad)."""
     from version4_triton_ultra.tiny_llama_v4 import TinyLlama
     model = TinyLlama(config).cuda()
-    model.use_weight_gradient_stream(stream)
+    model.use_weight_gradient_stream(stream, sixteen_bit_gradients=sixteen_bit)
     for _ in range(backward_passes):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
             _, loss = model(inputs, targets)
         loss.backward()
         model.join_weight_gradients()
     # Read on the main stream right after the join, which must have ordered it after the side stream.
-    return {name: p.grad.clone() for name, p in model.named_parameters()}
+    gradients16 = model.sixteen_bit_gradients
+    assert all(p.grad is None for p in gradients16)
+    return {name: (gradients16[p].float() if p in gradients16 else p.grad.clone())
+            for name, p in model.named_parameters()}, len(gradients16)
+
+
+def small_batch(config):
+    torch.manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (8, 129), device="cuda")
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 @pytest.mark.gpu
@@ -238,15 +251,31 @@ def gradients_after_backward(config, inputs, targets, amp: bool, stream: bool, b
 def test_weight_gradients_on_a_second_stream_equal_autograds(amp, backward_passes):
     from tinytransformer.config import ModelConfig
     config = ModelConfig(num_layers=2)
-    torch.manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, (8, 129), device="cuda")
-    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    want = gradients_after_backward(config, inputs, targets, amp, stream=False, backward_passes=backward_passes)
-    got = gradients_after_backward(config, inputs, targets, amp, stream=True, backward_passes=backward_passes)
+    inputs, targets = small_batch(config)
+    want, _ = gradients_after_backward(config, inputs, targets, amp, stream=False, backward_passes=backward_passes)
+    got, _ = gradients_after_backward(config, inputs, targets, amp, stream=True, backward_passes=backward_passes)
     assert got.keys() == want.keys()
     for name in want:
         # The same GEMMs on another stream; only the embedding's atomic scatter-add may sum in another order.
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backward_passes", [1, 2], ids=["one-backward", "accumulated"])
+def test_16bit_weight_gradients_are_autograds_rounded(backward_passes):
+    """Under autocast, the stream's 16-bit weight gradients are autograd's float32 ones rounded to bfloat16 (the
+    16-bit GEMM may sum in another order: within two units of bfloat16's last place). A second backward pass
+    continues in float32, from the first one's 16-bit gradient: its sum carries that rounding only."""
+    from tinytransformer.config import ModelConfig
+    config = ModelConfig(num_layers=2)
+    inputs, targets = small_batch(config)
+    want, _ = gradients_after_backward(config, inputs, targets, True, stream=False, backward_passes=backward_passes)
+    got, in_16_bits = gradients_after_backward(config, inputs, targets, True, stream=True,
+                                               backward_passes=backward_passes, sixteen_bit=True)
+    # Every projection's but the output head's (the loss computes that one): 4 in each of the 2 layers.
+    assert in_16_bits == (8 if backward_passes == 1 else 0)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=2 ** -7, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.gpu
@@ -288,6 +317,20 @@ def test_header_on_the_cpu_says_exact_float32_in_the_interpreter(tf32, monkeypat
     assert equal.endswith("a second stream"), equal
     monkeypatch.setattr(v4.graphed_step, "graph_priorities_apply", lambda: False)   # ROCm, or torch before 2.10
     assert v4.describe(v4_args(tf32=tf32))["step"].endswith("a second stream")
+
+
+def test_header_names_the_weight_gradients_dtype_the_optimizer_reads(monkeypatch):
+    """Under autocast in the graph-captured step the second stream writes 16-bit weight gradients, unless
+    --float32-weight-grads or torchrun (whose all-reduces sum float32 gradients) says otherwise."""
+    from version4_triton_ultra import tiny_llama_v4 as v4
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(v4, "interpreter_active", lambda: False)
+    amp = dict(use_amp=True, amp_dtype="bfloat16")
+    assert v4.describe(v4_args(**amp))["optimizer"].endswith("reading 16-bit weight gradients")
+    assert v4.describe(v4_args(**amp, sixteen_bit_weight_grads=False))["optimizer"].endswith("float32 weight gradients")
+    assert v4.describe(v4_args(**amp, weight_grad_stream=False))["optimizer"].endswith("weight copies")
+    monkeypatch.setattr(v4.distributed, "launched_by_torchrun", lambda: True)
+    assert v4.sixteen_bit_weight_gradients_of_args(v4_args(**amp)) is False
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the header of a run on a machine without a GPU")

@@ -10,10 +10,11 @@ from tinytransformer.config import ModelConfig, TrainConfig
 from tinytransformer.training.step import EagerStep
 
 
-def train_frozen_embedding(graphed, num_layers=2, amp_dtype=None, use_triton_adamw=True, steps=8):
+def train_frozen_embedding(graphed, num_layers=2, amp_dtype=None, use_triton_adamw=True, steps=8,
+                           sixteen_bit_weight_gradients=True):
     """`steps` training steps on fixed random batches: GraphedStep (2 eager warm-up steps, then replays) or
-    EagerStep. amp_dtype None: float32; else autocast in that dtype. Returns losses, step, model, optimizer,
-    train."""
+    EagerStep. amp_dtype None: float32; else autocast in that dtype (and the graph's weight gradients 16-bit unless
+    sixteen_bit_weight_gradients is False). Returns losses, step, model, optimizer, train."""
     from version4_triton_ultra.graphed_step import GraphedStep
     from version4_triton_ultra.tiny_llama_v4 import TinyLlama
     config = ModelConfig(num_layers=num_layers)
@@ -27,7 +28,8 @@ def train_frozen_embedding(graphed, num_layers=2, amp_dtype=None, use_triton_ada
     model.embed_tokens.weight.requires_grad_(False)
     optimizer = model.configure_optimizer(train)
     device = torch.device("cuda")
-    step = (GraphedStep(model, optimizer, device, train, warmup_steps=2) if graphed
+    step = (GraphedStep(model, optimizer, device, train, warmup_steps=2,
+                        sixteen_bit_weight_gradients=sixteen_bit_weight_gradients) if graphed
             else EagerStep(model, optimizer, device, train))
     losses = [step(b[:, :-1].contiguous(), b[:, 1:].contiguous()).item() for b in batches]
     return SimpleNamespace(losses=losses, step=step, model=model, optimizer=optimizer, train=train)

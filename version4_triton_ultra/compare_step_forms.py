@@ -46,6 +46,7 @@ FORMS = {
     "torch-adamw": ["--torch-adamw"],                     # torch's fused AdamW + a separate bfloat16 weight copy
     "no-weight-grad-stream": ["--no-weight-grad-stream"],   # the weight-gradient GEMMs on the main stream
     "equal-stream-priority": ["--equal-stream-priority"],   # the main stream not above the second stream
+    "float32-weight-grads": ["--float32-weight-grads"],   # the second stream's weight gradients in float32
     "no-programmatic-launch": ["--no-programmatic-launch"],   # each Triton kernel starts after the last one ends
 }
 

@@ -59,9 +59,11 @@ class GraphedStep(GraphReplayedStep):
     buffers; each later call copies the batch in and replays the graph. The loss stays on the device: the
     trainer reads it only when it prints. With `weight_gradient_stream` (the default) the graph holds two
     streams: the projections' weight-gradient GEMMs run beside the rest of the backward pass (this switches the
-    model's WeightGradientStream on or off). With `main_stream_first` (the default) the main stream's kernels are
-    captured at a higher priority than the second stream's (CAPTURE_PRIORITY): where both have kernels waiting
-    for an SM, the block scheduler starts the main stream's, the critical path, first.
+    model's WeightGradientStream on or off); with `sixteen_bit_weight_gradients` (the default) that stream writes
+    them, under autocast, in the GEMMs' 16-bit dtype, for TritonAdamW to read as they are (not under data
+    parallel, whose all-reduces sum float32 gradients). With `main_stream_first` (the default) the main stream's
+    kernels are captured at a higher priority than the second stream's (CAPTURE_PRIORITY): where both have kernels
+    waiting for an SM, the block scheduler starts the main stream's, the critical path, first.
 
     The optimizer runs mostly inside the backward pass. TritonAdamW gets one parameter group per layer from the
     last down to layer 0 (the output head with the last), then the rest (the norms, then the embedding in a group of
@@ -101,14 +103,22 @@ class GraphedStep(GraphReplayedStep):
     """
 
     def __init__(self, model, optimizer, device, train, warmup_steps: int = 3, weight_gradient_stream=True,
-                 gradient_sync=None, embedding_grad_sync: str = "auto", main_stream_first: bool = True):
+                 gradient_sync=None, embedding_grad_sync: str = "auto", main_stream_first: bool = True,
+                 sixteen_bit_weight_gradients: bool = True):
         super().__init__(model, optimizer, device, train, warmup_steps)
         self.main_stream_first = main_stream_first
         if embedding_grad_sync not in EMBEDDING_GRAD_SYNC:
             raise ValueError(f"embedding_grad_sync must be one of {EMBEDDING_GRAD_SYNC}, got {embedding_grad_sync!r}")
         self.gradient_sync = gradient_sync
         self.embedding_grad_sync = embedding_grad_sync
-        model.use_weight_gradient_stream(weight_gradient_stream)
+        # 16-bit weight gradients (under autocast; WeightGradientStream) where the optimizer reads them from the
+        # model's dict (TritonAdamW from configure_optimizer) and no all-reduce has to sum them (gradient_sync sums
+        # float32 .grad).
+        reads_them = getattr(optimizer, "sixteen_bit_gradients", None) is model.sixteen_bit_gradients
+        self.sixteen_bit_weight_gradients = (sixteen_bit_weight_gradients and weight_gradient_stream
+                                             and gradient_sync is None and reads_them)
+        model.use_weight_gradient_stream(weight_gradient_stream,
+                                         sixteen_bit_gradients=self.sixteen_bit_weight_gradients)
         # Layer k -> the index of the optimizer group holding its weights (TritonAdamW from configure_optimizer).
         # Updating during the backward pass needs the second stream, where a layer's weight gradients are known
         # to be queued when the backward pass leaves the layer (autograd accumulates its own when it sees fit).
@@ -333,5 +343,6 @@ def make_step(model, optimizer, device, train, args, gradient_sync=None):
         return GraphedStep(model, optimizer, device, train, warmup_steps=args.graph_warmup_steps,
                            weight_gradient_stream=args.weight_grad_stream, gradient_sync=gradient_sync,
                            embedding_grad_sync=args.embedding_grad_sync,
-                           main_stream_first=not args.equal_stream_priority)
+                           main_stream_first=not args.equal_stream_priority,
+                           sixteen_bit_weight_gradients=args.sixteen_bit_weight_grads)
     return EagerStep(model, optimizer, device, train)

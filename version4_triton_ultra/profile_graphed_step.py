@@ -102,7 +102,7 @@ def parse_args(argv, prog: str = "profile_graphed_step.py"):
     steps here under its own name)."""
     # The training script's switches between each fusion and the form it replaces.
     from version4_triton_ultra.tiny_llama_v4 import (add_attention_arguments, add_launch_arguments, add_rope_arguments,
-                                                     add_swiglu_arguments)
+                                                     add_swiglu_arguments, add_weight_gradient_dtype_argument)
     parser = OneLineParser(prog=prog,
                            description="Median time and kernel table of version 4's graph-captured step.")
     parser.add_argument("--preset", choices=available_presets(),
@@ -115,6 +115,7 @@ def parse_args(argv, prog: str = "profile_graphed_step.py"):
                         help="weight-gradient GEMMs on the main stream (default: on a second stream)")
     parser.add_argument("--equal-stream-priority", action="store_true",
                         help="the main stream at the second stream's priority (default: above it)")
+    add_weight_gradient_dtype_argument(parser)
     add_rope_arguments(parser)
     add_swiglu_arguments(parser)
     add_attention_arguments(parser)
@@ -188,7 +189,8 @@ def build_step(args):
     model.cuda()
     step = graphed_step.GraphedStep(model, model.configure_optimizer(train), torch.device("cuda"), train,
                                     weight_gradient_stream=args.weight_grad_stream,
-                                    main_stream_first=not args.equal_stream_priority)
+                                    main_stream_first=not args.equal_stream_priority,
+                                    sixteen_bit_weight_gradients=args.sixteen_bit_weight_grads)
     tokens = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len + 1), device="cuda")
     return step, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 

@@ -32,7 +32,9 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
   7. Under autocast, the fused norm writes its output directly in bfloat16 for the GEMM that reads it, and
      the projections multiply with bfloat16 copies of their weights that the optimizer writes (item 8) as it
      updates the weights (autocast casts each weight in its own kernel and, in backward, widens each weight
-     gradient in another); weight gradients come out of their GEMM in float32 directly.
+     gradient in another); weight gradients come out of their GEMM in float32 directly or, on the second stream
+     of item 9, in bfloat16: the gradient autocast itself gives (its backward widens the 16-bit product), which
+     the optimizer reads as it is, 2 bytes a weight fewer each way (--float32-weight-grads to compare).
   8. AdamW in one Triton kernel for all parameters (kernels/adamw.py), which also writes the bfloat16 weight
      copies of item 7 from the updated values: no separate copy pass before the next forward pass.
      --torch-adamw uses torch.optim.AdamW(fused=True) and one copy kernel per step instead, to compare.
@@ -259,6 +261,9 @@ class TinyLlama(nn.Module):
         self.projections = [m for m in self.modules() if isinstance(m, Projection)]
         self.weights16 = []   # the 16-bit copies of the projection weights, reused from step to step
         self.sixteen_bit_copies = {}   # {weight: its copy} while autocast is on: what TritonAdamW keeps current
+        # {weight: its 16-bit gradient}, which the weight-gradient stream writes instead of weight.grad when asked
+        # to (use_weight_gradient_stream) and TritonAdamW reads.
+        self.sixteen_bit_gradients = {}
         self.optimizer_writes_copies = False   # set by configure_optimizer when it returns a TritonAdamW
         self.copied_versions = None   # the weights' version counters when the copies were last made
         self.early_update = None   # called during backward once layer 0's is all that is left (GraphedStep)
@@ -327,13 +332,16 @@ class TinyLlama(nn.Module):
             copied.record()
         return copied
 
-    def use_weight_gradient_stream(self, enabled: bool = True) -> None:
+    def use_weight_gradient_stream(self, enabled: bool = True, sixteen_bit_gradients: bool = False) -> None:
         """Compute the projections' weight gradients on a second stream (see WeightGradientStream); GPU only.
-        The caller must then call join_weight_gradients() after each loss.backward()."""
+        The caller must then call join_weight_gradients() after each loss.backward(). With sixteen_bit_gradients,
+        under autocast the stream writes them in the GEMMs' 16-bit dtype into self.sixteen_bit_gradients (for
+        TritonAdamW, which reads them there) instead of float32 into .grad."""
         device = self.embed_tokens.weight.device
         if enabled and device.type != "cuda":
             raise ValueError("a second stream for the weight gradients needs a GPU")
-        self.weight_grad_stream = WeightGradientStream(device) if enabled else None
+        gradients = self.sixteen_bit_gradients if sixteen_bit_gradients else None
+        self.weight_grad_stream = WeightGradientStream(device, sixteen_bit_gradients=gradients) if enabled else None
         for projection in self.projections:
             if projection is not self.lm_head:   # the fused loss computes the head's gradient itself
                 projection.weight_grad_stream = self.weight_grad_stream
@@ -403,7 +411,7 @@ class TinyLlama(nn.Module):
             rest = [p for p in self.parameters() if id(p) not in early_ids]
             embedding = {"params": [self.embed_tokens.weight], "embedding": True}
             return TritonAdamW(by_layer + [{"params": rest}, embedding], sixteen_bit_copies=self.sixteen_bit_copies,
-                               **hyper)
+                               sixteen_bit_gradients=self.sixteen_bit_gradients, **hyper)
         on_gpu = next(self.parameters()).is_cuda
         return torch.optim.AdamW(self.parameters(), fused=on_gpu or None,
                                  capturable=on_gpu and self.capturable_optimizer, **hyper)
@@ -469,6 +477,7 @@ def add_arguments(group):
     group.add_argument("--equal-stream-priority", action="store_true",
                        help="in the graph-captured step, give the main stream no priority over the second one "
                             "(to measure what the priority saves)")
+    add_weight_gradient_dtype_argument(group)
     add_rope_arguments(group)
     add_swiglu_arguments(group)
     add_attention_arguments(group)
@@ -482,6 +491,13 @@ def add_arguments(group):
                        help="under torchrun, in the graph-captured step: sum the embedding's gradient over the "
                             "ranks by all-reducing the table (table) or by gathering every rank's token rows (rows); "
                             "auto (the default): rows while ranks x tokens per rank <= vocabulary size")
+
+
+def add_weight_gradient_dtype_argument(parser):
+    parser.add_argument("--float32-weight-grads", dest="sixteen_bit_weight_grads", action="store_false",
+                        default=True,
+                        help="in the graph-captured step under autocast, write the projections' weight gradients in "
+                             "float32 instead of the GEMMs' 16-bit dtype (to compare)")
 
 
 def add_rope_arguments(parser):
@@ -689,6 +705,12 @@ def describe_attention(args, on_gpu: bool) -> str:
     return text + (" (the faster one here)" if by_rule else "")
 
 
+def sixteen_bit_weight_gradients_of_args(args) -> bool:
+    """--float32-weight-grads' rule: the graph-captured step's second stream writes 16-bit weight gradients unless
+    that flag is given or the step runs under torchrun (whose all-reduces sum float32 .grad)."""
+    return getattr(args, "sixteen_bit_weight_grads", True) and not distributed.launched_by_torchrun()
+
+
 def describe(args) -> dict:
     on_gpu = torch.cuda.is_available() and args.device != "cpu"
     step = "CUDA/HIP graph replay" if (on_gpu and args.cuda_graph) else "eager launches"
@@ -711,6 +733,9 @@ def describe(args) -> dict:
         optimizer = "torch AdamW (fused)" if on_gpu else "torch AdamW"
     elif getattr(args, "use_amp", False):
         optimizer = "Triton AdamW, writing the 16-bit weight copies"
+        if on_gpu and graphed_step.uses_graph(args, torch.device("cuda")) and args.weight_grad_stream:
+            optimizer += (", reading 16-bit weight gradients" if sixteen_bit_weight_gradients_of_args(args)
+                          else ", reading float32 weight gradients")
     else:
         optimizer = "Triton AdamW"
     # On the CPU, PyTorch's matmuls and the interpreter's tl.dot (NumPy) both compute in IEEE float32.

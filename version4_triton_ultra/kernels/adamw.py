@@ -6,7 +6,7 @@ but the copies then need a second pass over the weights before the next forward 
 seq 512 on an H100 that copy took ~15 us and the forward pass waited ~16 us for it at the start of every step.
 This optimizer writes each copy in the same pass that updates the weight, from the value still in registers.
 
-The update is torch.optim.AdamW's, element by element (all in float32):
+The update is torch.optim.AdamW's, element by element (all in float32; a 16-bit gradient is widened first):
 
     p        = p - lr * weight_decay * p                              # decoupled weight decay
     exp_avg    = beta1 * exp_avg    + (1 - beta1) * g
@@ -22,6 +22,14 @@ made once per set of shapes, say which tensor and which element range each progr
 per tensor, the addresses of the weight, its gradient, the two moments, the step counter and the copy (0 for
 none); the kernel turns an address back into a pointer. That is what torch's multi-tensor kernels do too, except
 that they pass the addresses as kernel arguments; a Triton kernel reads them from memory.
+
+16-bit gradients. In the graph-captured step under autocast, the second stream's weight-gradient GEMMs write
+each projection's gradient in the GEMM's 16-bit dtype, into `sixteen_bit_gradients` ({parameter: gradient}, the
+model's dict) instead of a float32 `.grad` (backward_overlap.WeightGradientStream). That is the gradient autocast
+itself gives a float32 weight (its backward rounds the 16-bit GEMM's result, then widens it), so version 1 under
+autocast computes the same numbers; and it moves 2 bytes a weight fewer out of the GEMM and 2 fewer into this
+kernel, which reads, per parameter, whichever gradient it has (a table row says which). A parameter has one or
+the other, never both; zero_grad clears both.
 
 Addresses and graph capture. Gradients are new tensors at every eager step, so the address table is rewritten
 (one small host-to-device copy) whenever an address changed. A CUDA/HIP graph replays the kernel with the table
@@ -65,8 +73,8 @@ SMALL_PROGRAMS_FROM = 2 ** 22
 # Elements per program in Triton's CPU interpreter, where a CPU run pays per program (kernel tests keep the launch's
 # block, so that their parameters span several programs): about one program per parameter of a small model.
 INTERPRETER_BLOCK = 65536
-# Rows of the per-tensor address table, in this order.
-ADDRESS_ROWS = ("param", "grad", "exp_avg", "exp_avg_sq", "step", "copy")
+# Rows of the per-tensor address table, in this order: addresses, then 1 where the gradient is 16-bit (else 0).
+ADDRESS_ROWS = ("param", "grad", "exp_avg", "exp_avg_sq", "step", "copy", "grad_is_16_bit")
 
 
 @triton.jit
@@ -74,13 +82,14 @@ def _adamw_kernel(
     block_tensor_ptr,    # [programs] int32: the tensor program b updates
     block_start_ptr,     # [programs] int64: the first element of that tensor it updates
     numel_ptr,           # [tensors] int64
-    addresses_ptr,       # [len(ADDRESS_ROWS), tensors] int64 addresses; a copy address of 0: no copy
+    addresses_ptr,       # [len(ADDRESS_ROWS), tensors] int64 addresses (a copy address of 0: no copy), and flags
     ticket_ptr,          # int32 zero: counts the programs that are done (see the end of the kernel)
     n_tensors, n_programs,
     lr, lr_ptr,          # the learning rate: the float `lr`, or read from lr_ptr when LR_IN_MEMORY
     beta1, beta2, eps, weight_decay,
     LR_IN_MEMORY: tl.constexpr,
     COPY_DTYPE: tl.constexpr,   # the copies' dtype (all copies share one)
+    GRAD16_DTYPE: tl.constexpr,   # the 16-bit gradients' dtype (all share one)
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,   # wait for the kernel before (programmatic_launch.py)
 ):
@@ -96,6 +105,7 @@ def _adamw_kernel(
     exp_avg_sq_ptr = tl.load(addresses_ptr + 3 * n_tensors + tensor).to(tl.pointer_type(tl.float32))
     step_ptr = tl.load(addresses_ptr + 4 * n_tensors + tensor).to(tl.pointer_type(tl.float32))
     copy_address = tl.load(addresses_ptr + 5 * n_tensors + tensor)
+    grad_is_16_bit = tl.load(addresses_ptr + 6 * n_tensors + tensor)
 
     if LR_IN_MEMORY:
         lr = tl.load(lr_ptr)
@@ -105,7 +115,10 @@ def _adamw_kernel(
     bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
 
     p = tl.load(param_ptr + offsets, mask=mask)
-    g = tl.load(grad_ptr + offsets, mask=mask)
+    if grad_is_16_bit != 0:   # the same address, read as 16-bit numbers and widened
+        g = tl.load(grad_ptr.to(tl.pointer_type(GRAD16_DTYPE)) + offsets, mask=mask).to(tl.float32)
+    else:
+        g = tl.load(grad_ptr + offsets, mask=mask)
     m = tl.load(exp_avg_ptr + offsets, mask=mask)
     v = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
 
@@ -139,13 +152,14 @@ class TritonAdamW(torch.optim.Optimizer):
     `sixteen_bit_copies` is a dict {parameter: bfloat16 or float16 tensor of its shape} that the model fills
     (tiny_llama_v4.TinyLlama.refresh_16bit_weights) and may change between steps; after every step each copy
     in it equals its updated weight, rounded. Parameters and gradients must be contiguous float32 tensors on
-    the GPU (or on the CPU under Triton's interpreter). `launch`: (elements a program, warps), both powers of
-    two, for a tuner to time; None: launch_for each group's size. The update is the same under any launch, bit
-    for bit.
+    the GPU (or on the CPU under Triton's interpreter), except that a parameter's gradient may instead be a 16-bit
+    tensor in `sixteen_bit_gradients` ({parameter: gradient}; see the module docstring). `launch`: (elements a
+    program, warps), both powers of two, for a tuner to time; None: launch_for each group's size. The update is
+    the same under any launch, bit for bit.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 sixteen_bit_copies=None, launch=None):
+                 sixteen_bit_copies=None, launch=None, sixteen_bit_gradients=None):
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"betas must be in [0, 1): {betas}")
         if isinstance(lr, torch.Tensor) and (lr.dim() != 0 or lr.dtype != torch.float32):
@@ -159,6 +173,7 @@ class TritonAdamW(torch.optim.Optimizer):
         # trainer gives this group a tensor learning rate when the schedule varies (make_learning_rate_a_tensor).
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True))
         self.sixteen_bit_copies = {} if sixteen_bit_copies is None else sixteen_bit_copies
+        self.sixteen_bit_gradients = {} if sixteen_bit_gradients is None else sixteen_bit_gradients
         # (elements a program, warps) of every launch when a tuner (tune_adamw.py) times one; None: by group size.
         # Set here only: a group's launch is fixed with its launch tables, at its first step.
         self.launch = launch
@@ -180,12 +195,30 @@ class TritonAdamW(torch.optim.Optimizer):
         the weights whose gradients are complete before the backward pass has ended (graphed_step.GraphedStep)."""
         for index in indices:
             group = self.param_groups[index]
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for p in group["params"] if self.gradient_of(p) is not None]
             if not params:
                 continue
             states = [self._state_of(p) for p in params]
             tables = self._tables(index, params, states)
             self._launch(group, tables)
+
+    def gradient_of(self, param):
+        """The parameter's gradient: its float32 .grad, or its 16-bit one in sixteen_bit_gradients, or None."""
+        sixteen_bit = self.sixteen_bit_gradients.get(param)
+        if sixteen_bit is not None and param.grad is not None:
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} has two gradients, a float32 .grad and a "
+                             f"16-bit one")
+        return param.grad if sixteen_bit is None else sixteen_bit
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad, for the 16-bit gradients too (dropped, or set to zero)."""
+        super().zero_grad(set_to_none=set_to_none)
+        for group in self.param_groups:
+            for param in group["params"]:
+                if set_to_none:
+                    self.sixteen_bit_gradients.pop(param, None)
+                elif param in self.sixteen_bit_gradients:
+                    self.sixteen_bit_gradients[param].zero_()
 
     def finish_capture(self) -> None:
         """After a CUDA/HIP graph captured step(): write the addresses the capture recorded (see the module
@@ -208,18 +241,24 @@ class TritonAdamW(torch.optim.Optimizer):
         columns = []
         for param, state in zip(params, states):
             copy = self.sixteen_bit_copies.get(param)
-            tensors = (param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"])
+            grad = self.gradient_of(param)
+            tensors = (param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"])
             for row, tensor in zip(ADDRESS_ROWS, tensors):
-                if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device != param.device:
-                    raise ValueError(f"TritonAdamW needs contiguous float32 parameters, gradients and state on one "
-                                     f"device; a parameter of shape {tuple(param.shape)} has a {row} of dtype "
-                                     f"{tensor.dtype} on {tensor.device} (version 4's --torch-adamw uses torch's "
-                                     f"AdamW instead)")
+                allowed = (torch.float32, *_TRITON_DTYPES) if row == "grad" else (torch.float32,)
+                if tensor.dtype not in allowed or not tensor.is_contiguous() or tensor.device != param.device:
+                    raise ValueError(f"TritonAdamW needs contiguous float32 parameters, gradients (or 16-bit ones) "
+                                     f"and state on one device; a parameter of shape {tuple(param.shape)} has a {row} "
+                                     f"of dtype {tensor.dtype} on {tensor.device} (version 4's --torch-adamw uses "
+                                     f"torch's AdamW instead)")
             if copy is not None and (copy.shape != param.shape or not copy.is_contiguous()
                                      or copy.dtype not in _TRITON_DTYPES or copy.device != param.device):
                 raise ValueError(f"a 16-bit copy must be a contiguous bfloat16/float16 tensor of its parameter's "
                                  f"shape {tuple(param.shape)} on its device {param.device}")
-            columns.append([t.data_ptr() for t in tensors] + [copy.data_ptr() if copy is not None else 0])
+            if grad.shape != param.shape:
+                raise ValueError(f"a gradient of shape {tuple(grad.shape)} for a parameter of shape "
+                                 f"{tuple(param.shape)}")
+            columns.append([t.data_ptr() for t in tensors] + [copy.data_ptr() if copy is not None else 0]
+                           + [int(grad.dtype != torch.float32)])
         return columns
 
     def _tables(self, index, params, states):
@@ -229,7 +268,11 @@ class TritonAdamW(torch.optim.Optimizer):
         copy_dtypes = {c.dtype for c in copies if c is not None}
         if len(copy_dtypes) > 1:
             raise ValueError("all 16-bit copies must share one dtype")
-        key = (tuple(map(tuple, columns)), tuple(p.numel() for p in params), tuple(copy_dtypes))
+        grad16_dtypes = {self.gradient_of(p).dtype for p in params} - {torch.float32}
+        if len(grad16_dtypes) > 1:
+            raise ValueError("all 16-bit gradients of a parameter group must share one dtype")
+        key = (tuple(map(tuple, columns)), tuple(p.numel() for p in params), tuple(copy_dtypes),
+               tuple(grad16_dtypes))
         cached = self._launches.get(index)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -246,6 +289,7 @@ class TritonAdamW(torch.optim.Optimizer):
         tables["num_warps"] = num_warps
         tables["addresses"] = addresses.to(device)
         tables["copy_dtype"] = _TRITON_DTYPES[copy_dtypes.pop()] if copy_dtypes else tl.bfloat16
+        tables["grad16_dtype"] = _TRITON_DTYPES[grad16_dtypes.pop()] if grad16_dtypes else tl.bfloat16
         self._launches[index] = (key, tables)
         return tables
 
@@ -261,7 +305,8 @@ class TritonAdamW(torch.optim.Optimizer):
             tables["numel"].numel(), tables["programs"],
             0.0 if lr_in_memory else float(lr), lr if lr_in_memory else tables["numel"],
             float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-            LR_IN_MEMORY=lr_in_memory, COPY_DTYPE=tables["copy_dtype"], BLOCK=tables["block"],
+            LR_IN_MEMORY=lr_in_memory, COPY_DTYPE=tables["copy_dtype"], GRAD16_DTYPE=tables["grad16_dtype"],
+            BLOCK=tables["block"],
             num_warps=tables["num_warps"], **launch_options(tables["numel"].device))
 
 

@@ -1,0 +1,95 @@
+"""Version 4's 16-bit weight gradients: TritonAdamW reading them (kernels/adamw.py), on the CPU in Triton's
+interpreter, and the graph-captured step that writes them on its second stream (backward_overlap.py), on the GPU.
+How they compare with autograd's float32 gradients, one backward pass at a time: tests/test_v4_graph.py."""
+import pytest
+import torch
+
+from version4_triton_ultra.kernels.adamw import TritonAdamW
+
+from .test_v4_adamw import HYPER, assert_same_training, clone_params, fresh_gradients, make_params
+from .v4_training import train_frozen_embedding
+
+# The kernels' smallest blocks in Triton's interpreter (the fixture in conftest.py), as in test_v4_adamw.py.
+pytestmark = pytest.mark.usefixtures("small_interpreter_blocks")
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+def test_reads_16bit_gradients_as_torch_reads_them_widened(grad_dtype, device):
+    """Parameters 0 and 2 have 16-bit gradients (in sixteen_bit_gradients, as the weight-gradient stream writes
+    them), 1 and 3 float32 .grad, in one launch: the same training as torch's AdamW given the 16-bit gradients
+    widened to float32 (exactly: widening is exact)."""
+    params = make_params(device, seed=6)
+    reference = clone_params(params)
+    gradients16 = {}
+    optimizer = TritonAdamW(params, sixteen_bit_gradients=gradients16, **HYPER)
+    reference_optimizer = torch.optim.AdamW(reference, **HYPER)
+    for step in range(3):
+        optimizer.zero_grad()
+        for index, (p, q, grad) in enumerate(zip(params, reference, fresh_gradients(step, params))):
+            if index % 2 == 0:
+                gradients16[p] = grad.to(grad_dtype)
+                q.grad = gradients16[p].float()
+            else:
+                p.grad, q.grad = grad.clone(), grad.clone()
+        optimizer.step()
+        reference_optimizer.step()
+    assert_same_training(params, reference, optimizer, reference_optimizer)
+
+
+def test_zero_grad_clears_the_16bit_gradients_too(device):
+    params = make_params(device)
+    gradients16 = {params[0]: torch.ones(params[0].shape, dtype=torch.bfloat16, device=device)}
+    params[1].grad = torch.ones_like(params[1])
+    optimizer = TritonAdamW(params, sixteen_bit_gradients=gradients16, **HYPER)
+    optimizer.zero_grad(set_to_none=False)
+    assert not gradients16[params[0]].any() and not params[1].grad.any()
+    optimizer.zero_grad()
+    assert gradients16 == {} and params[1].grad is None
+    before = [p.detach().clone() for p in params]
+    optimizer.step()   # no gradient left: nothing is updated
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_refuses_two_gradients_or_mixed_16bit_gradients(device):
+    p, q = (torch.nn.Parameter(torch.randn(8, device=device)) for _ in range(2))
+    p.grad = torch.randn_like(p)
+    both = {p: torch.zeros(8, dtype=torch.bfloat16, device=device)}
+    with pytest.raises(ValueError, match="two gradients"):
+        TritonAdamW([p], sixteen_bit_gradients=both).step()
+    p.grad = None
+    mixed = {p: torch.zeros(8, dtype=torch.bfloat16, device=device), q: torch.zeros(8, dtype=torch.half, device=device)}
+    with pytest.raises(ValueError, match="share one dtype"):
+        TritonAdamW([p, q], sixteen_bit_gradients=mixed).step()
+    wrong_shape = {p: torch.zeros(4, dtype=torch.bfloat16, device=device)}
+    with pytest.raises(ValueError, match="gradient of shape"):
+        TritonAdamW([p], sixteen_bit_gradients=wrong_shape).step()
+
+
+@pytest.mark.gpu
+def test_graphed_step_with_16bit_weight_gradients_trains_like_the_eager_step():
+    """The graph's default under autocast: the projections' weight gradients in bfloat16 (the eager step's float32
+    ones rounded; the 16-bit GEMM may also sum in another order), read by TritonAdamW as they are. Adam's update is
+    normalised: where a gradient is nearly zero, its sign may differ between the two GEMMs and that weight then
+    moves by up to the learning rate the other way (a few elements in ten thousand). So each weight's difference
+    from the eager run is measured against how far the eager run moved it: a few percent at most, where a gradient
+    lost or misread would make it as large as the move itself."""
+    from version4_triton_ultra.tiny_llama_v4 import TinyLlama
+    runs = {graphed: train_frozen_embedding(graphed, num_layers=5, amp_dtype="bfloat16") for graphed in (True, False)}
+    graphed = runs[True]
+    assert graphed.step.sixteen_bit_weight_gradients
+    projections = [p for k in range(5) for p in graphed.model.layer_projection_parameters(k)
+                   if p is not graphed.model.lm_head.weight]
+    gradients16 = graphed.model.sixteen_bit_gradients
+    assert set(map(id, gradients16)) == set(map(id, projections))   # written by the last replay, in bfloat16
+    assert all(g.dtype == torch.bfloat16 for g in gradients16.values())
+    assert all(p.grad is None for p in projections)
+    for g, e in zip(graphed.losses, runs[False].losses):
+        assert g == pytest.approx(e, rel=1e-3)
+    initial = dict(TinyLlama(graphed.model.config).named_parameters())   # the canonical initial weights
+    eager = dict(runs[False].model.named_parameters())
+    for name, value in graphed.model.named_parameters():
+        if not value.requires_grad:
+            continue   # the frozen embedding
+        moved = (eager[name].detach().cpu() - initial[name].detach()).norm()
+        difference = (value.detach().cpu() - eager[name].detach().cpu()).norm()
+        assert moved > 0 and difference <= 2 ** -4 * moved, f"{name}: {difference:.3e} off, moved {moved:.3e}"

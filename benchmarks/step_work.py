@@ -109,6 +109,8 @@ def memory_passes(config: ModelConfig, batch: int, seq: int) -> dict[str, int]:
         "loss (softmax cross-entropy)": tokens * v * 2 * b16,
         # the table's float32 gradient written once, each token's row added into it (read and written)
         "embedding gradient": v * d * f32 + tokens * d * 2 * f32,
-        # weight, gradient, two moments read; weight and moments written (7 x 4); a 16-bit copy written (2)
+        # weight, gradient, two moments read; weight and moments written (7 x 4); a 16-bit copy written (2). The
+        # gradient counted in float32, as the committed floors were measured: version 4's graph-captured step now
+        # reads the projections' in bfloat16 (version4_triton_ultra/MEASUREMENTS.md, "16-bit weight gradients").
         "AdamW": with_copy * (7 * f32 + b16) + without_copy * 7 * f32,
     }

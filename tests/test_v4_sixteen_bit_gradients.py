@@ -50,6 +50,21 @@ def test_zero_grad_clears_the_16bit_gradients_too(device):
     assert all(torch.equal(p, b) for p, b in zip(params, before))
 
 
+def test_the_models_zero_grad_clears_the_16bit_gradients_too():
+    """A 16-bit gradient left from an earlier backward pass would be added into the next one (the stream takes it
+    for the first half of an accumulation): the model's zero_grad drops them, or zeroes them, with .grad."""
+    from tinytransformer.config import ModelConfig
+    from version4_triton_ultra.tiny_llama_v4 import TinyLlama
+    model = TinyLlama(ModelConfig(hidden_dim=32, num_heads=2, num_layers=1, intermediate_size=32, vocab_size=64))
+    weight = model.layers[0].attention.qkv_proj.weight
+    model.sixteen_bit_gradients[weight] = torch.ones(weight.shape, dtype=torch.bfloat16)
+    model.norm.weight.grad = torch.ones_like(model.norm.weight)
+    model.zero_grad(set_to_none=False)
+    assert not model.sixteen_bit_gradients[weight].any() and not model.norm.weight.grad.any()
+    model.zero_grad()
+    assert model.sixteen_bit_gradients == {} and model.norm.weight.grad is None
+
+
 def test_refuses_two_gradients_or_mixed_16bit_gradients(device):
     p, q = (torch.nn.Parameter(torch.randn(8, device=device)) for _ in range(2))
     p.grad = torch.randn_like(p)

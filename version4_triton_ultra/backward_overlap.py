@@ -33,7 +33,7 @@ class WeightGradientStream:
 
     16-bit gradients: given a dict `sixteen_bit_gradients` (the model's), a GEMM of 16-bit operands (under
     autocast) writes the weight's first gradient of a step in their dtype, into the dict, instead of float32 into
-    weight.grad. That is the gradient autocast's own backward gives a float32 weight (the 16-bit product, widened
+    weight.grad. That is the gradient that autocast's own backward gives a float32 weight (the 16-bit product, widened
     later), and the optimizer reads it as it is (TritonAdamW, kernels/adamw.py): 2 bytes a weight fewer written
     here and read there. A second backward pass before the optimizer step continues in float32: the 16-bit
     gradient is widened into weight.grad and the GEMM adds to it.
@@ -65,6 +65,9 @@ class WeightGradientStream:
         main = torch.cuda.current_stream(weight.device)
         sixteen_bit = self.sixteen_bit_gradients
         earlier_16_bit = sixteen_bit.pop(weight, None) if sixteen_bit is not None else None
+        if earlier_16_bit is not None and weight.grad is not None:
+            raise ValueError("a weight with two gradients, a float32 .grad and a 16-bit one: clear them first "
+                             "(the optimizer's or the model's zero_grad)")
         first = weight.grad is None and earlier_16_bit is None   # else a second backward: accumulate
         in_16_bits = first and sixteen_bit is not None and grad_y.dtype in SIXTEEN_BIT and x.dtype == grad_y.dtype
         # Gradients are allocated on the main stream, which reads them (the optimizer) and frees them (zero_grad).

@@ -183,8 +183,8 @@ def _rotated_qkv(x_rows, qkv_gemm_weight, cos, sin, seq_len, head_dim, separate_
 
 def _qkv_gemm_backward(ctx, grad_rows, x_rows, qkv_gemm_weight):
     """(grad_x, grad_weight) of the QKV GEMM from the gradient of its unrotated output [N, 3D], for the Functions
-    below: grad_x first (the critical path), then the float32 weight gradient (queued on the weight-gradient stream
-    when there is one, which hands back None); each only where autograd asks for it."""
+    below: grad_x first (the critical path), then the weight gradient (float32, or queued on the weight-gradient
+    stream when there is one, which hands back None); each only where autograd asks for it."""
     grad_x = grad_weight = None
     if ctx.needs_input_grad[0]:
         grad_x = (grad_rows @ qkv_gemm_weight).view(ctx.x_shape)
@@ -198,7 +198,7 @@ class RotatedQKV(torch.autograd.Function):
 
     Forward: RotaryQKVAttention's QKV GEMM and RoPE, without the attention. Backward: the incoming gradient of the
     rotated qkv has its q and k parts rotated back (the inverse rotation, in place), which makes it the gradient of
-    the GEMM's unrotated output; then RotaryQKVAttention's two GEMMs (grad_x, and the float32 weight gradient on the
+    the GEMM's unrotated output; then RotaryQKVAttention's two GEMMs (grad_x, and the weight gradient, on the
     weight-gradient stream when there is one)."""
 
     @staticmethod

@@ -33,7 +33,7 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      the projections multiply with bfloat16 copies of their weights that the optimizer writes (item 8) as it
      updates the weights (autocast casts each weight in its own kernel and, in backward, widens each weight
      gradient in another); weight gradients come out of their GEMM in float32 directly or, on the second stream
-     of item 9, in bfloat16: the gradient autocast itself gives (its backward widens the 16-bit product), which
+     of item 9, in bfloat16: the gradient that autocast itself gives (its backward widens the 16-bit product), which
      the optimizer reads as it is, 2 bytes a weight fewer each way (--float32-weight-grads to compare).
   8. AdamW in one Triton kernel for all parameters (kernels/adamw.py), which also writes the bfloat16 weight
      copies of item 7 from the updated values: no separate copy pass before the next forward pass.
@@ -345,6 +345,16 @@ class TinyLlama(nn.Module):
         for projection in self.projections:
             if projection is not self.lm_head:   # the fused loss computes the head's gradient itself
                 projection.weight_grad_stream = self.weight_grad_stream
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """nn.Module's zero_grad, for the 16-bit weight gradients too: one left from an earlier backward pass would
+        be taken for the first half of an accumulation and added into the next one (WeightGradientStream.queue)."""
+        super().zero_grad(set_to_none=set_to_none)
+        if set_to_none:
+            self.sixteen_bit_gradients.clear()
+        else:
+            for gradient in self.sixteen_bit_gradients.values():
+                gradient.zero_()
 
     def join_weight_gradients(self) -> None:
         """After loss.backward(): the main stream waits for the weight-gradient GEMMs still running on the second

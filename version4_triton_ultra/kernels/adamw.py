@@ -25,9 +25,9 @@ that they pass the addresses as kernel arguments; a Triton kernel reads them fro
 
 16-bit gradients. In the graph-captured step under autocast, the second stream's weight-gradient GEMMs write
 each projection's gradient in the GEMM's 16-bit dtype, into `sixteen_bit_gradients` ({parameter: gradient}, the
-model's dict) instead of a float32 `.grad` (backward_overlap.WeightGradientStream). That is the gradient autocast
-itself gives a float32 weight (its backward rounds the 16-bit GEMM's result, then widens it), so version 1 under
-autocast computes the same numbers; and it moves 2 bytes a weight fewer out of the GEMM and 2 fewer into this
+model's dict) instead of a float32 `.grad` (backward_overlap.WeightGradientStream). That is the gradient that
+autocast itself gives a float32 weight (its backward rounds the 16-bit GEMM's result, then widens it), so version 1
+under autocast computes the same numbers, up to the GEMM's order of summation; and it moves 2 bytes a weight fewer out of the GEMM and 2 fewer into this
 kernel, which reads, per parameter, whichever gradient it has (a table row says which). A parameter has one or
 the other, never both; zero_grad clears both.
 
@@ -211,7 +211,8 @@ class TritonAdamW(torch.optim.Optimizer):
         return param.grad if sixteen_bit is None else sixteen_bit
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's zero_grad, for the 16-bit gradients too (dropped, or set to zero)."""
+        """torch's zero_grad, for the 16-bit gradients too: dropped, or set to zero (then the next backward pass adds
+        to them in float32, as a second backward pass does: WeightGradientStream.queue)."""
         super().zero_grad(set_to_none=set_to_none)
         for group in self.param_groups:
             for param in group["params"]:

@@ -98,7 +98,7 @@ from version4_triton_ultra.kernels import flash_attention as attention_kernels  
 from version4_triton_ultra.kernels import qk_rotation as rotation_kernels  # noqa: E402
 from version4_triton_ultra.kernels import qkv_rope_gemm as qkv_kernels  # noqa: E402
 from version4_triton_ultra.kernels import swiglu_gemm as ffn_kernels  # noqa: E402
-from version4_triton_ultra.kernels.adamw import TritonAdamW  # noqa: E402
+from version4_triton_ultra.kernels.adamw import TritonAdamW, clear_16bit_gradients  # noqa: E402
 from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm, embedding_rms_norm  # noqa: E402
 from version4_triton_ultra.kernels.flash_attention import flash_attention_packed  # noqa: E402
 from version4_triton_ultra.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
@@ -350,11 +350,7 @@ class TinyLlama(nn.Module):
         """nn.Module's zero_grad, for the 16-bit weight gradients too: one left from an earlier backward pass would
         be taken for the first half of an accumulation and added into the next one (WeightGradientStream.queue)."""
         super().zero_grad(set_to_none=set_to_none)
-        if set_to_none:
-            self.sixteen_bit_gradients.clear()
-        else:
-            for gradient in self.sixteen_bit_gradients.values():
-                gradient.zero_()
+        clear_16bit_gradients(self.sixteen_bit_gradients, list(self.sixteen_bit_gradients), set_to_none)
 
     def join_weight_gradients(self) -> None:
         """After loss.backward(): the main stream waits for the weight-gradient GEMMs still running on the second

@@ -23,13 +23,13 @@ per tensor, the addresses of the weight, its gradient, the two moments, the step
 none); the kernel turns an address back into a pointer. That is what torch's multi-tensor kernels do too, except
 that they pass the addresses as kernel arguments; a Triton kernel reads them from memory.
 
-16-bit gradients. In the graph-captured step under autocast, the second stream's weight-gradient GEMMs write
-each projection's gradient in the GEMM's 16-bit dtype, into `sixteen_bit_gradients` ({parameter: gradient}, the
-model's dict) instead of a float32 `.grad` (backward_overlap.WeightGradientStream). That is the gradient that
-autocast itself gives a float32 weight (its backward rounds the 16-bit GEMM's result, then widens it), so version 1
-under autocast computes the same numbers, up to the GEMM's order of summation; and it moves 2 bytes a weight fewer out of the GEMM and 2 fewer into this
-kernel, which reads, per parameter, whichever gradient it has (a table row says which). A parameter has one or
-the other, never both; zero_grad clears both.
+16-bit gradients. In the graph-captured step under autocast, the second stream's weight-gradient GEMMs write each
+projection's gradient in the GEMM's 16-bit dtype, into `sixteen_bit_gradients` ({parameter: gradient}, the model's
+dict) instead of a float32 `.grad` (backward_overlap.WeightGradientStream). That is the gradient that autocast
+itself gives a float32 weight (its backward rounds the 16-bit GEMM's result, then widens it), so version 1 under
+autocast computes the same numbers, up to the GEMM's order of summation; and it moves 2 bytes a weight fewer out of
+the GEMM and 2 fewer into this kernel, which reads, per parameter, whichever gradient it has (a table row says
+which). A parameter has one or the other, never both; zero_grad clears both.
 
 Addresses and graph capture. Gradients are new tensors at every eager step, so the address table is rewritten
 (one small host-to-device copy) whenever an address changed. A CUDA/HIP graph replays the kernel with the table
@@ -195,11 +195,13 @@ class TritonAdamW(torch.optim.Optimizer):
         the weights whose gradients are complete before the backward pass has ended (graphed_step.GraphedStep)."""
         for index in indices:
             group = self.param_groups[index]
-            params = [p for p in group["params"] if self.gradient_of(p) is not None]
+            gradient_of = {p: self.gradient_of(p) for p in group["params"]}   # looked up once a step
+            params = [p for p, g in gradient_of.items() if g is not None]
             if not params:
                 continue
+            grads = [gradient_of[p] for p in params]
             states = [self._state_of(p) for p in params]
-            tables = self._tables(index, params, states)
+            tables = self._tables(index, params, grads, states)
             self._launch(group, tables)
 
     def gradient_of(self, param):
@@ -214,12 +216,8 @@ class TritonAdamW(torch.optim.Optimizer):
         """torch's zero_grad, for the 16-bit gradients too: dropped, or set to zero (then the next backward pass adds
         to them in float32, as a second backward pass does: WeightGradientStream.queue)."""
         super().zero_grad(set_to_none=set_to_none)
-        for group in self.param_groups:
-            for param in group["params"]:
-                if set_to_none:
-                    self.sixteen_bit_gradients.pop(param, None)
-                elif param in self.sixteen_bit_gradients:
-                    self.sixteen_bit_gradients[param].zero_()
+        clear_16bit_gradients(self.sixteen_bit_gradients, [p for g in self.param_groups for p in g["params"]],
+                              set_to_none)
 
     def finish_capture(self) -> None:
         """After a CUDA/HIP graph captured step(): write the addresses the capture recorded (see the module
@@ -238,11 +236,10 @@ class TritonAdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
 
-    def _address_columns(self, params, states):
+    def _address_columns(self, params, grads, states):
         columns = []
-        for param, state in zip(params, states):
+        for param, grad, state in zip(params, grads, states):
             copy = self.sixteen_bit_copies.get(param)
-            grad = self.gradient_of(param)
             tensors = (param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"])
             for row, tensor in zip(ADDRESS_ROWS, tensors):
                 allowed = (torch.float32, *_TRITON_DTYPES) if row == "grad" else (torch.float32,)
@@ -262,14 +259,14 @@ class TritonAdamW(torch.optim.Optimizer):
                            + [int(grad.dtype != torch.float32)])
         return columns
 
-    def _tables(self, index, params, states):
+    def _tables(self, index, params, grads, states):
         """The launch tables of this group: reused while every address is the same as at the last step."""
-        columns = self._address_columns(params, states)
+        columns = self._address_columns(params, grads, states)
         copies = [self.sixteen_bit_copies.get(p) for p in params]
         copy_dtypes = {c.dtype for c in copies if c is not None}
         if len(copy_dtypes) > 1:
             raise ValueError("all 16-bit copies must share one dtype")
-        grad16_dtypes = {self.gradient_of(p).dtype for p in params} - {torch.float32}
+        grad16_dtypes = {g.dtype for g in grads} - {torch.float32}
         if len(grad16_dtypes) > 1:
             raise ValueError("all 16-bit gradients of a parameter group must share one dtype")
         key = (tuple(map(tuple, columns)), tuple(p.numel() for p in params), tuple(copy_dtypes),
@@ -309,6 +306,16 @@ class TritonAdamW(torch.optim.Optimizer):
             LR_IN_MEMORY=lr_in_memory, COPY_DTYPE=tables["copy_dtype"], GRAD16_DTYPE=tables["grad16_dtype"],
             BLOCK=tables["block"],
             num_warps=tables["num_warps"], **launch_options(tables["numel"].device))
+
+
+def clear_16bit_gradients(gradients: dict, params, set_to_none: bool) -> None:
+    """zero_grad for the 16-bit gradients of these parameters in `gradients` ({parameter: gradient}): dropped, or
+    set to zero."""
+    for param in params:
+        if set_to_none:
+            gradients.pop(param, None)
+        elif param in gradients:
+            gradients[param].zero_()
 
 
 def launch_for(group_elements: int) -> tuple:

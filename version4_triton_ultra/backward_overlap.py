@@ -12,10 +12,8 @@ The graph-captured step (graphed_step.py) switches the stream on and makes the e
 """
 import torch
 
+from version4_triton_ultra.kernels.adamw import SIXTEEN_BIT_GRADIENT_DTYPES
 from version4_triton_ultra.kernels.linear_cross_entropy import accumulate_matmul, matmul_to_float32
-
-# The dtypes a weight gradient may be written in besides float32: a 16-bit GEMM's own.
-SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 class WeightGradientStream:
@@ -69,7 +67,8 @@ class WeightGradientStream:
             raise ValueError("a weight with two gradients, a float32 .grad and a 16-bit one: clear them first "
                              "(the optimizer's or the model's zero_grad)")
         first = weight.grad is None and earlier_16_bit is None   # else a second backward: accumulate
-        in_16_bits = first and sixteen_bit is not None and grad_y.dtype in SIXTEEN_BIT and x.dtype == grad_y.dtype
+        in_16_bits = (first and sixteen_bit is not None and grad_y.dtype in SIXTEEN_BIT_GRADIENT_DTYPES
+                      and x.dtype == grad_y.dtype)
         # Gradients are allocated on the main stream, which reads them (the optimizer) and frees them (zero_grad).
         if in_16_bits:
             sixteen_bit[weight] = torch.empty_like(weight, dtype=grad_y.dtype)

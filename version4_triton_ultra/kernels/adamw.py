@@ -144,6 +144,8 @@ def _adamw_kernel(
 
 
 _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# The 16-bit gradients this optimizer reads (what the weight-gradient stream may write: backward_overlap.py).
+SIXTEEN_BIT_GRADIENT_DTYPES = tuple(_TRITON_DTYPES)
 
 
 class TritonAdamW(torch.optim.Optimizer):

@@ -336,6 +336,15 @@ def test_header_names_the_weight_gradients_dtype_the_optimizer_reads(monkeypatch
     assert v4.sixteen_bit_weight_gradients_of_args(v4_args(**amp)) is False
 
 
+def test_sixteen_bit_weight_gradients_need_every_condition():
+    """The step writes 16-bit weight gradients only when all four hold; any one of them false turns them off."""
+    from version4_triton_ultra.graphed_step import writes_sixteen_bit_weight_gradients
+    yes = dict(requested=True, on_second_stream=True, summed_across_ranks=False, optimizer_reads_them=True)
+    assert writes_sixteen_bit_weight_gradients(**yes) is True
+    for name in yes:
+        assert writes_sixteen_bit_weight_gradients(**{**yes, name: not yes[name]}) is False, name
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the header of a run on a machine without a GPU")
 @pytest.mark.interpreter
 def test_cpu_run_header_has_no_tf32_claim(tmp_path, capsys):

@@ -44,6 +44,15 @@ def exchanges_embedding_rows(mode: str, world_size: int, tokens_per_rank: int, v
     return mode == "rows" or (mode == "auto" and rows_cheaper_than_table(world_size, tokens_per_rank, vocab_size))
 
 
+def writes_sixteen_bit_weight_gradients(requested: bool, on_second_stream: bool, summed_across_ranks: bool,
+                                        optimizer_reads_them: bool) -> bool:
+    """The one rule for the graph-captured step's 16-bit weight gradients (under autocast), which GraphedStep follows
+    and the run's header states: the second stream writes them in the GEMMs' dtype where they were asked for (not
+    --float32-weight-grads), are written by that stream, no all-reduce has to sum them (gradient_sync sums float32
+    .grad) and the optimizer reads them from the model's dict (TritonAdamW from configure_optimizer)."""
+    return requested and on_second_stream and not summed_across_ranks and optimizer_reads_them
+
+
 def uses_graph(args, device) -> bool:
     """The same rule as version 2's --cuda-graph: on a GPU, unless float16 AMP's GradScaler makes host-side
     decisions every step, which a replayed graph cannot."""
@@ -111,12 +120,10 @@ class GraphedStep(GraphReplayedStep):
             raise ValueError(f"embedding_grad_sync must be one of {EMBEDDING_GRAD_SYNC}, got {embedding_grad_sync!r}")
         self.gradient_sync = gradient_sync
         self.embedding_grad_sync = embedding_grad_sync
-        # 16-bit weight gradients (under autocast; WeightGradientStream) where the optimizer reads them from the
-        # model's dict (TritonAdamW from configure_optimizer) and no all-reduce has to sum them (gradient_sync sums
-        # float32 .grad).
         reads_them = getattr(optimizer, "sixteen_bit_gradients", None) is model.sixteen_bit_gradients
-        self.sixteen_bit_weight_gradients = (sixteen_bit_weight_gradients and weight_gradient_stream
-                                             and gradient_sync is None and reads_them)
+        self.sixteen_bit_weight_gradients = writes_sixteen_bit_weight_gradients(
+            sixteen_bit_weight_gradients, weight_gradient_stream, summed_across_ranks=gradient_sync is not None,
+            optimizer_reads_them=reads_them)
         model.use_weight_gradient_stream(weight_gradient_stream,
                                          sixteen_bit_gradients=self.sixteen_bit_weight_gradients)
         # Layer k -> the index of the optimizer group holding its weights (TritonAdamW from configure_optimizer).

@@ -712,9 +712,14 @@ def describe_attention(args, on_gpu: bool) -> str:
 
 
 def sixteen_bit_weight_gradients_of_args(args) -> bool:
-    """--float32-weight-grads' rule: the graph-captured step's second stream writes 16-bit weight gradients unless
-    that flag is given or the step runs under torchrun (whose all-reduces sum float32 .grad)."""
-    return getattr(args, "sixteen_bit_weight_grads", True) and not distributed.launched_by_torchrun()
+    """graphed_step.writes_sixteen_bit_weight_gradients, as a run with these flags meets it: under torchrun the step
+    gets a gradient_sync (the all-reduces sum float32 .grad); the optimizer reads them unless it is torch's AdamW
+    (--torch-adamw, or DeepSpeed's, which always takes torch's)."""
+    with_deepspeed = getattr(args, "deepspeed", None) or getattr(args, "deepspeed_config", None)
+    return graphed_step.writes_sixteen_bit_weight_gradients(
+        getattr(args, "sixteen_bit_weight_grads", True), args.weight_grad_stream,
+        summed_across_ranks=distributed.launched_by_torchrun(),
+        optimizer_reads_them=not (args.torch_adamw or with_deepspeed))
 
 
 def describe(args) -> dict:

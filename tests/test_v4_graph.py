@@ -332,6 +332,9 @@ def test_header_names_the_weight_gradients_dtype_the_optimizer_reads(monkeypatch
     assert v4.describe(v4_args(**amp))["optimizer"].endswith("reading 16-bit weight gradients")
     assert v4.describe(v4_args(**amp, sixteen_bit_weight_grads=False))["optimizer"].endswith("float32 weight gradients")
     assert v4.describe(v4_args(**amp, weight_grad_stream=False))["optimizer"].endswith("weight copies")
+    for torch_optimizer in (dict(torch_adamw=True), dict(deepspeed=True), dict(deepspeed_config="ds.json")):
+        assert v4.describe(v4_args(**amp, **torch_optimizer))["optimizer"] == "torch AdamW (fused)"
+        assert v4.sixteen_bit_weight_gradients_of_args(v4_args(**amp, **torch_optimizer)) is False
     monkeypatch.setattr(v4.distributed, "launched_by_torchrun", lambda: True)
     assert v4.sixteen_bit_weight_gradients_of_args(v4_args(**amp)) is False
 

@@ -46,10 +46,11 @@ def exchanges_embedding_rows(mode: str, world_size: int, tokens_per_rank: int, v
 
 def writes_sixteen_bit_weight_gradients(requested: bool, on_second_stream: bool, summed_across_ranks: bool,
                                         optimizer_reads_them: bool) -> bool:
-    """The one rule for the graph-captured step's 16-bit weight gradients (under autocast), which GraphedStep follows
-    and the run's header states: the second stream writes them in the GEMMs' dtype where they were asked for (not
-    --float32-weight-grads), are written by that stream, no all-reduce has to sum them (gradient_sync sums float32
-    .grad) and the optimizer reads them from the model's dict (TritonAdamW from configure_optimizer)."""
+    """The one rule for the graph-captured step's 16-bit weight gradients under autocast, which GraphedStep follows
+    and the run's header states. The second stream writes the projections' weight gradients in their GEMMs' 16-bit
+    dtype only where all four hold: they were asked for (no --float32-weight-grads), that stream computes the weight
+    gradients, no all-reduce has to sum them (gradient_sync sums float32 .grad), and the optimizer reads them from
+    the model's dict (TritonAdamW from configure_optimizer)."""
     return requested and on_second_stream and not summed_across_ranks and optimizer_reads_them
 
 

@@ -711,15 +711,22 @@ def describe_attention(args, on_gpu: bool) -> str:
     return text + (" (the faster one here)" if by_rule else "")
 
 
+def runs_under_deepspeed(args) -> bool:
+    """TrainConfig.uses_deepspeed, read from the flags (the header may describe flags without a configuration)."""
+    return bool(getattr(args, "deepspeed", None) or getattr(args, "deepspeed_config", None))
+
+
+def takes_torch_adamw(args) -> bool:
+    """Whether this run's optimizer is torch's AdamW: --torch-adamw, or DeepSpeed, whose engine always gets it."""
+    return bool(args.torch_adamw) or runs_under_deepspeed(args)
+
+
 def sixteen_bit_weight_gradients_of_args(args) -> bool:
     """graphed_step.writes_sixteen_bit_weight_gradients, as a run with these flags meets it: under torchrun the step
-    gets a gradient_sync (the all-reduces sum float32 .grad); the optimizer reads them unless it is torch's AdamW
-    (--torch-adamw, or DeepSpeed's, which always takes torch's)."""
-    with_deepspeed = getattr(args, "deepspeed", None) or getattr(args, "deepspeed_config", None)
+    gets a gradient_sync (the all-reduces sum float32 .grad); torch's AdamW does not read them."""
     return graphed_step.writes_sixteen_bit_weight_gradients(
         getattr(args, "sixteen_bit_weight_grads", True), args.weight_grad_stream,
-        summed_across_ranks=distributed.launched_by_torchrun(),
-        optimizer_reads_them=not (args.torch_adamw or with_deepspeed))
+        summed_across_ranks=distributed.launched_by_torchrun(), optimizer_reads_them=not takes_torch_adamw(args))
 
 
 def describe(args) -> dict:
@@ -739,8 +746,7 @@ def describe(args) -> dict:
               else "in the feed-forward GEMMs' epilogues")
     if chosen_by_size:
         swiglu += " (the faster form at this size)"
-    with_deepspeed = getattr(args, "deepspeed", None) or getattr(args, "deepspeed_config", None)
-    if args.torch_adamw or with_deepspeed:   # DeepSpeed always gets torch's AdamW
+    if takes_torch_adamw(args):
         optimizer = "torch AdamW (fused)" if on_gpu else "torch AdamW"
     elif getattr(args, "use_amp", False):
         optimizer = "Triton AdamW, writing the 16-bit weight copies"
@@ -758,7 +764,7 @@ def describe(args) -> dict:
     if workspace:
         info["cuBLAS workspace"] = workspace
     graphed = on_gpu and graphed_step.uses_graph(args, torch.device("cuda"))
-    if graphed and distributed.launched_by_torchrun() and not with_deepspeed:
+    if graphed and distributed.launched_by_torchrun() and not runs_under_deepspeed(args):
         info["embed grad"] = embedding_grad_sync_of_args(args)
     return info
 

@@ -339,6 +339,21 @@ def test_header_names_the_weight_gradients_dtype_the_optimizer_reads(monkeypatch
     assert v4.sixteen_bit_weight_gradients_of_args(v4_args(**amp)) is False
 
 
+@pytest.mark.parametrize("flags", [[], ["--use-amp", "--amp-dtype", "bfloat16"], ["--torch-adamw"], ["--deepspeed"],
+                                   ["--deepspeed-config", "ds.json"]],
+                         ids=["default", "bf16", "torch-adamw", "deepspeed", "deepspeed-config"])
+def test_header_names_the_optimizer_the_model_builds(flags):
+    """The header reads the optimizer from the flags (takes_torch_adamw: it may describe a run before any
+    configuration exists); the model chooses it from its TrainConfig. Parsed from the same flags, they agree."""
+    from tinytransformer.cli import build_parser, resolve_configs
+    from version4_triton_ultra import tiny_llama_v4 as v4
+    args = build_parser(v4.SPEC).parse_args(flags + ["--num-layers", "1", "--hidden-dim", "64", "--num-heads", "2"])
+    config, train = resolve_configs(args)
+    optimizer = v4.build_model(config, args).configure_optimizer(train)
+    assert isinstance(optimizer, torch.optim.AdamW) == v4.takes_torch_adamw(args)
+    assert v4.describe(args)["optimizer"].startswith("torch AdamW") == isinstance(optimizer, torch.optim.AdamW)
+
+
 def test_sixteen_bit_weight_gradients_need_every_condition():
     """The step writes 16-bit weight gradients only when all four hold; any one of them false turns them off."""
     from version4_triton_ultra.graphed_step import writes_sixteen_bit_weight_gradients

@@ -38,9 +38,22 @@ def legacy_backends():
 
 
 def new_backends(global_precision="none"):
-    return SimpleNamespace(cuda=SimpleNamespace(matmul=NewMatmul()),
-                           cudnn=SimpleNamespace(conv=SimpleNamespace(fp32_precision="tf32")),
-                           fp32_precision=global_precision)
+    """torch >= 2.9, with its process-wide matmul precision: torch.set_float32_matmul_precision sets it together with
+    the matmul's fp32_precision, while setting fp32_precision alone leaves it behind (and torch's own readers of
+    it, such as TorchInductor's max-autotune, then fail)."""
+    backends = SimpleNamespace(cuda=SimpleNamespace(matmul=NewMatmul()),
+                               cudnn=SimpleNamespace(conv=SimpleNamespace(fp32_precision="tf32")),
+                               fp32_precision=global_precision, process_wide="highest")
+
+    def set_float32_matmul_precision(name):
+        backends.process_wide = name
+        backends.cuda.matmul.fp32_precision = {"high": "tf32", "highest": "ieee"}[name]
+    backends.set_float32_matmul_precision = set_float32_matmul_precision
+    return backends
+
+
+def process_wide_agrees(backends) -> bool:
+    return backends.process_wide == ("high" if precision.tf32_enabled(backends) else "highest")
 
 
 def test_the_api_is_recognised():
@@ -64,6 +77,17 @@ def test_the_new_api_sets_both_backends_and_never_touches_the_old_names():
     assert backends.cuda.matmul.fp32_precision == "tf32" and backends.cudnn.conv.fp32_precision == "tf32"
     precision.set_tf32(False, backends)   # NewMatmul.allow_tf32 would raise if it were read
     assert backends.cuda.matmul.fp32_precision == "ieee" and backends.cudnn.conv.fp32_precision == "ieee"
+
+
+@pytest.mark.parametrize("global_precision", ["none", "tf32"])
+def test_the_new_api_keeps_the_process_wide_matmul_precision_with_the_switch(global_precision):
+    backends = new_backends(global_precision)
+    before = precision.saved_state(backends)
+    for enabled in (True, False, True):
+        precision.set_tf32(enabled, backends)
+        assert precision.tf32_enabled(backends) is enabled and process_wide_agrees(backends)
+    precision.restore_state(before, backends)
+    assert precision.saved_state(backends) == before and process_wide_agrees(backends)
 
 
 def test_the_legacy_api_sets_both_backends():
@@ -103,6 +127,18 @@ def test_this_machines_torch():
     assert precision.saved_state() == before
     if precision.has_fp32_precision_api():
         assert torch.backends.cuda.matmul.fp32_precision == before[1]
+
+
+def test_this_machines_torch_reads_one_answer_through_every_api():
+    """torch's own code reads the process-wide precision and the old `allow_tf32` (TorchInductor's max-autotune
+    keys its GEMM choices by torch.get_float32_matmul_precision()); under the new API these reads raise once the
+    matmul's fp32_precision was set alone. After the switch, every one of them answers, and they agree."""
+    for enabled in (True, False):
+        with precision.tf32_setting(enabled):
+            assert torch.get_float32_matmul_precision() == ("high" if enabled else "highest")
+            assert torch.backends.cuda.matmul.allow_tf32 is enabled
+            assert precision.tf32_enabled() is enabled
+    assert torch.get_float32_matmul_precision() in ("highest", "high", "medium")
 
 
 

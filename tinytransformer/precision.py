@@ -7,8 +7,13 @@ PyTorch has had two APIs for this switch:
   deprecated there, and a process that mixes the two APIs gets an error when it reads the old one.
 
 Everything in the workshop reads and sets TF32 through this module, which uses the new API wherever the
-installed torch has it and the old one otherwise: one API per process, never a mix. Each function takes an
-optional `backends` object (default: `torch.backends`) so that tests can hand in a stand-in of either API.
+installed torch has it and the old one otherwise. One catch under the new API: torch itself still reads the
+process-wide `torch.get_float32_matmul_precision()` in places (TorchInductor's `max-autotune` mode keys its GEMM
+choices by it), and that read fails once the matmul's `fp32_precision` was set on its own. So the matmul switch
+goes through `torch.set_float32_matmul_precision` ("high" = TF32, "highest" = IEEE), which sets the matmul's
+`fp32_precision` and the process-wide value together, and every reader, old or new, sees one answer.
+Each function takes an optional `backends` object (default: `torch.backends`) so that tests can hand in a
+stand-in of either API; a stand-in of the new one brings its own `set_float32_matmul_precision`.
 """
 from __future__ import annotations
 
@@ -43,12 +48,23 @@ def tf32_enabled(backends=None) -> bool:
     return bool(b.cuda.matmul.allow_tf32)
 
 
+def _set_matmul_precision(b, setting: str) -> None:
+    """The matmul's fp32_precision ("tf32" | "ieee" | "none") with the process-wide value kept equal to it."""
+    set_process_wide = getattr(b, "set_float32_matmul_precision", torch.set_float32_matmul_precision)
+    tf32 = _resolve(setting, getattr(b, "fp32_precision", None)) == "tf32"
+    set_process_wide("high" if tf32 else "highest")   # torch's words for TF32 and IEEE float32
+    if setting == "none":   # "follow the global setting", as in a fresh process (for every matmul backend)
+        for backend in (b.cuda, getattr(b, "mkldnn", None)):
+            if backend is not None:
+                backend.matmul.fp32_precision = "none"
+
+
 def set_tf32(enabled: bool, backends=None) -> None:
     """Switch TF32 on or off for float32 matmuls and cuDNN convolutions, in this whole process."""
     b = _backends(backends)
     if has_fp32_precision_api(b):
         value = "tf32" if enabled else "ieee"
-        b.cuda.matmul.fp32_precision = value
+        _set_matmul_precision(b, value)
         conv = getattr(b.cudnn, "conv", None)
         if conv is not None:
             conv.fp32_precision = value
@@ -70,7 +86,7 @@ def restore_state(state: tuple, backends=None) -> None:
     b = _backends(backends)
     api, matmul, cudnn = state
     if api == "fp32_precision":
-        b.cuda.matmul.fp32_precision = matmul
+        _set_matmul_precision(b, matmul)
         if cudnn is not None:
             b.cudnn.conv.fp32_precision = cudnn
     else:

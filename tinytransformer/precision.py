@@ -52,7 +52,9 @@ def _set_matmul_precision(b, setting: str) -> None:
     """The matmul's fp32_precision ("tf32" | "ieee" | "none") with the process-wide value kept equal to it."""
     set_process_wide = getattr(b, "set_float32_matmul_precision", torch.set_float32_matmul_precision)
     tf32 = _resolve(setting, getattr(b, "fp32_precision", None)) == "tf32"
-    set_process_wide("high" if tf32 else "highest")   # torch's words for TF32 and IEEE float32
+    # torch's words for TF32 and IEEE float32. The call sets oneDNN's (CPU) matmul precision too; the training
+    # scripts switch TF32 on for GPU runs only (apply_tf32_argument), so their CPU matmuls stay exact.
+    set_process_wide("high" if tf32 else "highest")
     if setting == "none":   # "follow the global setting", as in a fresh process (for every matmul backend)
         for backend in (b.cuda, getattr(b, "mkldnn", None)):
             if backend is not None:

@@ -6,15 +6,19 @@ The times are measured with this file on one H100 and committed in benchmarks/re
 
     TT_DOCS_GPU_TIMES=gpu_times.jsonl python -m pytest -q -m "gpu and slow" tests/test_docs_gpu_blocks.py -s
 
-which appends one JSON line per block (block, seconds) to the file it names. With TT_DOCS_GPU_DONE=FILE, the
-blocks already listed in FILE (a times file of an earlier, interrupted run, or the committed measurements) are
+which appends one JSON line per block (file, commands, seconds) to the file it names. With TT_DOCS_GPU_DONE=FILE,
+the blocks already listed in FILE (a times file of an earlier, interrupted run, or the committed measurements) are
 skipped, so a long measurement can be finished in several sittings.
+
+A measurement belongs to a block by the block's file and the text of its commands, not by its line: prose edited
+above a block leaves its measurement in place, while a changed command needs measuring again.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+import types
 
 import pytest
 
@@ -31,38 +35,74 @@ def label_time(seconds: float) -> str:
     return f"about {max(5, int(round(seconds / 5)) * 5)} s"
 
 
+def command_texts(commands) -> list[str]:
+    """A block's commands as one line each, whitespace collapsed (re-wrapping a command changes nothing)."""
+    return [" ".join(command.text.split()) for command in commands]
+
+
+def identity(path: str, texts) -> tuple:
+    """What a measurement is attached to: the markdown file and the commands the block runs."""
+    return path, tuple(texts)
+
+
+def identity_of(block, commands) -> tuple:
+    return identity(block.path, command_texts(commands))
+
+
+def measured_blocks(records) -> dict[tuple, dict]:
+    """{identity: record} of measurement records, each {"file", "commands", "seconds", ...}."""
+    return {identity(record["file"], record["commands"]): record for record in records}
+
+
 def test_gpu_labels_state_the_measured_times():
     """A GPU block measured on the H100 (benchmarks/results/docs/gpu_block_times.json) states that time in its
     label, and a label states no time that was not measured. Blocks not measured yet keep the plain `# GPU`."""
-    measured = json.loads(MEASURED.read_text())["blocks"]
+    measured = measured_blocks(json.loads(MEASURED.read_text())["blocks"])
     problems = []
-    for block, _ in GPU_BLOCKS:
+    for block, commands in GPU_BLOCKS:
         label = block.lines[0][1].strip()
-        timed = GPU_TIMED_LABEL.match(label)
-        if block.where in measured:
-            expected = f"# GPU (H100: {label_time(measured[block.where]['seconds'])})"
+        record = measured.get(identity_of(block, commands))
+        if record is not None:
+            expected = f"# GPU (H100: {label_time(record['seconds'])})"
             if label != expected:
-                problems.append(f"{block.where}: {label!r}, measured {measured[block.where]['seconds']} s: "
-                                f"write {expected!r}")
-        elif timed:
-            problems.append(f"{block.where}: {label!r} states a time that {MEASURED.name} does not hold")
-    unknown = sorted(set(measured) - {block.where for block, _ in GPU_BLOCKS})
-    problems += [f"{where}: measured, but no GPU block starts there any more (measure it again)" for where in unknown]
+                problems.append(f"{block.where}: {label!r}, measured {record['seconds']} s: write {expected!r}")
+        elif GPU_TIMED_LABEL.match(label):
+            problems.append(f"{block.where}: {label!r} states a time that {MEASURED.name} does not hold for these "
+                            "commands (measure the block again, or write the plain '# GPU')")
+    current = {identity_of(block, commands) for block, commands in GPU_BLOCKS}
+    problems += [f"{path}: a measured block ({texts[0][:60]!r}...) is no longer a GPU block of that file with "
+                 f"these commands: measure it again, or remove its entry from {MEASURED.name}"
+                 for path, texts in sorted(set(measured) - current)]
     assert not problems, "; ".join(problems)
 
 
-def blocks_done_before() -> set[str]:
-    """Blocks (path:line of the fence) already measured, to skip: those of TT_DOCS_GPU_DONE, a times file of an
-    earlier, interrupted run (one JSON line per block) or the committed measurements (MEASURED's format)."""
+def test_measurements_are_attached_by_commands_not_lines():
+    """The rule the check above relies on: a block moved down by prose edited above it, or with a command
+    re-wrapped, is still the measured block; a block whose command changed, or in another file, is not."""
+    def block_at(path, fence_line, *texts):
+        block = types.SimpleNamespace(path=path, where=f"{path}:{fence_line}")
+        return block, [types.SimpleNamespace(text=text) for text in texts]
+
+    measured = measured_blocks([{"file": "README.md", "commands": ["cd v2 && python a.py --x 1"], "seconds": 12.0}])
+    assert identity_of(*block_at("README.md", 80, "cd v2 && python a.py --x 1")) in measured
+    assert identity_of(*block_at("README.md", 93, "cd v2 &&\n    python a.py --x 1")) in measured
+    assert identity_of(*block_at("README.md", 80, "cd v2 && python a.py --x 2")) not in measured
+    assert identity_of(*block_at("docs.md", 80, "cd v2 && python a.py --x 1")) not in measured
+
+
+def blocks_done_before() -> set[tuple]:
+    """Identities of the blocks already measured, to skip: those of TT_DOCS_GPU_DONE, a times file of an earlier,
+    interrupted run (one JSON line per block) or the committed measurements (MEASURED's format)."""
     done_file = os.environ.get("TT_DOCS_GPU_DONE")
     if not done_file or not os.path.exists(done_file):
         return set()
     with open(done_file) as records:
         text = records.read()
     try:
-        return set(json.loads(text)["blocks"])
+        records = json.loads(text)["blocks"]
     except (ValueError, KeyError, TypeError):
-        return {json.loads(line)["block"] for line in text.splitlines() if line.strip()}
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return set(measured_blocks(records))
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +127,7 @@ def test_gpu_block_runs_as_written(block, commands, gpu_sandbox):
     """Every GPU block, as written, in document order in one copy of the repository (a block may read what an
     earlier block of its document wrote). Commands that need a tool this machine lacks are skipped as the CPU
     test skips them (their reason is printed)."""
-    if block.where in blocks_done_before():
+    if identity_of(block, commands) in blocks_done_before():
         pytest.skip("measured in the run TT_DOCS_GPU_DONE names")
     repo, env = gpu_sandbox
     total, lines = 0.0, []
@@ -105,5 +145,5 @@ def test_gpu_block_runs_as_written(block, commands, gpu_sandbox):
     print(f"\n{block.where}: {total:.1f} s on the GPU\n" + "\n".join(lines))
     if os.environ.get("TT_DOCS_GPU_TIMES"):
         with open(os.environ["TT_DOCS_GPU_TIMES"], "a") as record:
-            record.write(json.dumps({"block": block.where, "seconds": round(total, 1),
-                                     "commands": len(commands)}) + "\n")
+            record.write(json.dumps({"file": block.path, "commands": command_texts(commands),
+                                     "seconds": round(total, 1), "measured_at": block.where}) + "\n")

@@ -272,7 +272,147 @@ def test_a_signal_stops_a_long_step_within_seconds(tmp_path, number, exit_code):
     name = signal.Signals(number).name
     assert f"{name} received during step 3/5, abandoned: stopping after step 2" in out
     assert "the first step includes one-time set-up" not in out.split("step      3/5")[1]   # only for step 1
+    assert "native call" not in out   # the main thread handled the signal: the watcher had nothing to say
     assert list(tmp_path.iterdir()) == []   # no checkpoint was asked for
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A signal while the main thread waits inside a native call (on a GPU: the backward pass, on the autograd
+# engine's thread, compiling its kernels). Python cannot run the handler until the call returns.
+# ----------------------------------------------------------------------------------------------------------
+MAIN_THREAD_IN_A_NATIVE_CALL = """
+import ctypes, sys
+sys.path.insert(0, {root!r})
+from tinytransformer.training.stopping import StopOnSignal
+with StopOnSignal(log=lambda text: print(text, flush=True), grace_s=0.5):
+    print("waiting", flush=True)
+    # libc's system() waits for its child in C and retries the wait after a SIGTERM: like the main thread of a
+    # GPU run inside loss.backward(), it does not return to Python until the child is done.
+    ctypes.CDLL(None).system(b"exec sleep 30 > /dev/null 2>&1")   # not holding our pipes open after we end
+print("the call returned", flush=True)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the watcher uses a POSIX pipe as the wakeup descriptor")
+def test_a_second_signal_ends_a_run_whose_main_thread_is_out_of_reach():
+    driver = MAIN_THREAD_IN_A_NATIVE_CALL.format(root=str(REPO_ROOT))
+    process = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)   # its own group: the sleep is cleaned up below
+    try:
+        assert process.stdout.readline() == "waiting\n", process.stderr.read()
+        time.sleep(0.3)   # into system()
+        process.send_signal(signal.SIGTERM)
+        said = process.stdout.readline()   # within the grace period (0.5 s), not when the 30 s call ends
+        assert said.startswith("SIGTERM received while the main thread waits inside a native call"), said
+        assert "send SIGTERM again to end it now" in said
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=20)
+        assert time.monotonic() - sent < 10
+        assert process.returncode == 143, err
+        assert "SIGTERM again while the main thread is still inside that call: interrupted" in err
+        assert "the call returned" not in out and "Traceback" not in err
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)   # the `sleep 30` left behind (and the driver, if a check failed)
+        except ProcessLookupError:
+            pass
+
+
+GPU_BACKWARD_THAT_TAKES_A_WHILE = """
+import sys, time, torch
+sys.path.insert(0, {root!r})
+from tinytransformer.training.stopping import StepAbandoned, StopOnSignal, may_abandon
+
+class SlowBackward(torch.autograd.Function):   # as the first step's backward pass compiling its kernels
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        print("in the backward pass", flush=True)
+        time.sleep({seconds})
+        return grad * 2
+
+x = torch.ones(4, device="cuda", requires_grad=True)
+with StopOnSignal(log=lambda text: print(text, flush=True), grace_s=0.5):
+    try:
+        with may_abandon():
+            SlowBackward.apply(x).sum().backward()
+        print("the step went on", flush=True)
+    except StepAbandoned:
+        print("abandoned", flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.name != "posix", reason="the watcher uses a POSIX pipe as the wakeup descriptor")
+@pytest.mark.parametrize("signals, seconds", [(1, 4), (2, 30)])
+def test_a_signal_during_a_gpu_backward_pass(signals, seconds):
+    """On a GPU the backward pass runs on the autograd engine's device thread while the main thread waits in
+    C++: the handler cannot run until it returns. One signal: the watcher says so, and the step is abandoned when
+    the backward pass returns. Two: the process ends at once."""
+    driver = GPU_BACKWARD_THAT_TAKES_A_WHILE.format(root=str(REPO_ROOT), seconds=seconds)
+    process = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        assert process.stdout.readline() == "in the backward pass\n", process.stderr.read()
+        process.send_signal(signal.SIGTERM)
+        said = process.stdout.readline()
+        assert said.startswith("SIGTERM received while the main thread waits inside a native call"), said
+        sent = time.monotonic()
+        if signals == 2:
+            process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+        if signals == 1:
+            assert out == "abandoned\n" and process.returncode == 0, err
+        else:
+            assert time.monotonic() - sent < 10 and process.returncode == 143, err
+            assert "interrupted" in err and "abandoned" not in out
+    finally:
+        process.kill() if process.poll() is None else None
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the watcher uses a POSIX pipe as the wakeup descriptor")
+def test_the_watcher_leaves_a_wakeup_descriptor_it_does_not_own():
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    try:
+        signal.set_wakeup_fd(write_fd)   # as asyncio does
+        with StopOnSignal() as stop:
+            assert stop._watcher._thread is None
+            assert signal.set_wakeup_fd(write_fd) == write_fd   # still there, untouched
+        assert signal.set_wakeup_fd(-1) == write_fd
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(read_fd), os.close(write_fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")   # the child only writes and leaves
+def test_a_forked_child_does_not_write_into_the_watchers_pipe():
+    """A Ctrl-C reaches the whole process group: a forked child still holding the wakeup descriptor would make
+    one Ctrl-C look like two to the watcher."""
+    with StopOnSignal():
+        read_fd, write_fd = os.pipe()
+        child = os.fork()
+        if child == 0:   # the child reports what its wakeup descriptor is, and leaves
+            os.write(write_fd, str(signal.set_wakeup_fd(-1)).encode())
+            os._exit(0)
+        os.waitpid(child, 0)
+        reported = os.read(read_fd, 16).decode()
+        os.close(read_fd), os.close(write_fd)
+    assert reported == "-1"
+
+
+def test_the_watcher_stops_with_the_run_and_gives_the_descriptor_back():
+    with StopOnSignal() as stop:
+        watcher = stop._watcher._thread
+        assert os.name != "posix" or watcher.is_alive()
+        kill_self(signal.SIGTERM)   # handled at once by the main thread: the watcher says nothing
+    assert signal.set_wakeup_fd(-1) == -1
+    assert watcher is None or not watcher.is_alive()
 
 
 # ----------------------------------------------------------------------------------------------------------

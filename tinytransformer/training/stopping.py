@@ -12,6 +12,16 @@ optimizer step. Its forward and backward passes only compute gradients, which th
   - a second Ctrl-C aborts at once (KeyboardInterrupt), for when the user really means it; a checkpoint being
     written then is abandoned (the atomic write leaves the previous one intact, see checkpoint/files.py).
 
+Python runs a signal handler only in the main thread, between two of its bytecodes. While the main thread waits
+inside one long native call, the handler waits too. The call that matters: on a GPU, `loss.backward()` runs the
+backward pass on the autograd engine's own device thread while the main thread waits in C++, and the first step's
+backward pass compiles its kernels there (Triton's, or torch.compile's: minutes in max-autotune mode). So a
+watcher thread hears every stop signal as it arrives (through `signal.set_wakeup_fd`) and, when the main thread
+has not handled it within a grace period, says what the run is waiting for; a second signal while the main thread
+is still out of reach ends the process at once, as the second Ctrl-C does elsewhere. What the user had survives it:
+a checkpoint caught half-written (a long copy from the GPU) is a hidden temporary file beside the previous one,
+which the next run removes (checkpoint/files.py).
+
 A step marks the part that may be abandoned with `with may_abandon():` (EagerStep does). A step that does not
 (version 4's CUDA-graph replay, whose optimizer update is part of the replayed graph) is never abandoned: it is
 short anyway. Abandoning is off under data parallel: a rank that left its backward pass half-way would leave the
@@ -20,8 +30,11 @@ others waiting in a gradient all-reduce, so there the ranks agree to stop after 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
+import time
 
 
 class StepAbandoned(BaseException):
@@ -47,22 +60,26 @@ class StopOnSignal:
 
     EXIT_CODES = {signal.SIGINT: 0, signal.SIGTERM: 128 + signal.SIGTERM}   # 143: the shell's convention
 
-    def __init__(self, abandon_steps: bool = True):
+    def __init__(self, abandon_steps: bool = True, log=None, grace_s: float = 2.0):
         self.abandon_steps = abandon_steps
         self.signal_number = None
         self.in_abandonable_region = False
+        self.handled = 0   # how many times the handler ran (in the main thread); the watcher compares
         self._previous = {}
+        self._watcher = MainThreadWatcher(self, log, grace_s)
 
     def __enter__(self):
         global _active
         if threading.current_thread() is threading.main_thread():
             for number in self.EXIT_CODES:
                 self._previous[number] = signal.signal(number, self._handle)
+            self._watcher.start()
             _active = self
         return self
 
     def __exit__(self, *exc_info):
         global _active
+        self._watcher.stop()
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         if _active is self:
@@ -70,6 +87,7 @@ class StopOnSignal:
         return False
 
     def _handle(self, number, frame):
+        self.handled += 1
         if self.signal_number is not None:
             if number == signal.SIGINT:
                 raise KeyboardInterrupt   # the second Ctrl-C
@@ -90,6 +108,113 @@ class StopOnSignal:
     @property
     def exit_code(self) -> int:
         return self.EXIT_CODES[self.signal_number]
+
+
+class MainThreadWatcher:
+    """A thread that hears SIGINT and SIGTERM as they arrive (Python writes each signal's number to the wakeup
+    file descriptor from its C-level handler, whatever the main thread is doing) and checks that the main thread
+    handles each within `grace_s` (StopOnSignal.handled grows). When it has not:
+      - the first signal gets one line saying what the run waits for, and how to stop it at once;
+      - a second one ends the process at once, with the exit code an interrupted run has (130 for SIGINT, 143
+        for SIGTERM).
+    It does nothing where another part of the program owns the wakeup descriptor (asyncio, for one), or where
+    Python offers none for pipes (Windows): there the signals keep their behaviour without the watcher."""
+
+    CLOSING = b"\0"   # not a signal number: written by stop() to end the thread
+
+    def __init__(self, stop: StopOnSignal, log, grace_s: float):
+        self.stop_signals, self.log, self.grace_s = stop, log, grace_s
+        self._fds = None
+        self._thread = None
+
+    def start(self) -> None:
+        """Called by the main thread (set_wakeup_fd is only allowed there)."""
+        if os.name != "posix":
+            return
+        _forget_the_wakeup_descriptor_in_forked_children()
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)   # a full pipe must never block the signal handler
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        if previous != -1:   # somebody else's: give it back and go without
+            signal.set_wakeup_fd(previous)
+            os.close(read_fd), os.close(write_fd)
+            return
+        self._fds = (read_fd, write_fd)
+        self._thread = threading.Thread(target=self._watch, name="stop-signal-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._fds is None:
+            return
+        signal.set_wakeup_fd(-1)
+        read_fd, write_fd = self._fds
+        os.write(write_fd, self.CLOSING)
+        self._thread.join(timeout=self.grace_s + 1.0)
+        os.close(read_fd), os.close(write_fd)
+        self._fds = self._thread = None
+
+    def _watch(self) -> None:
+        received = 0
+        while True:
+            for number in os.read(self._fds[0], 64):
+                if number == self.CLOSING[0]:
+                    return
+                if number not in StopOnSignal.EXIT_CODES:
+                    continue
+                received += 1
+                if self._handled_in_time(received):
+                    continue
+                if received == 1:
+                    self._say_what_the_run_waits_for(number)
+                else:
+                    self._end_the_process(number)
+
+    def _handled_in_time(self, received: int) -> bool:
+        give_up_at = time.monotonic() + self.grace_s
+        while self.stop_signals.handled < received and time.monotonic() < give_up_at:
+            time.sleep(0.05)
+        return self.stop_signals.handled >= received
+
+    def _say_what_the_run_waits_for(self, number: int) -> None:
+        name = signal.Signals(number).name
+        again = "press Ctrl-C again" if number == signal.SIGINT else "send SIGTERM again"
+        self._print(f"{name} received while the main thread waits inside a native call (on a GPU, the backward "
+                    f"pass runs on the autograd engine's own thread, and its first run compiles kernels): the run "
+                    f"stops when that call returns; {again} to end it now, without a checkpoint")
+
+    def _end_the_process(self, number: int) -> None:
+        name = signal.Signals(number).name
+        self._print(f"{name} again while the main thread is still inside that call: interrupted", sys.stderr)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(130 if number == signal.SIGINT else 128 + signal.SIGTERM)
+
+    def _print(self, text: str, file=None) -> None:
+        if file is None and self.log is not None:
+            self.log(text)   # the trainer's log: one lock for both threads, and only rank 0 prints
+        else:
+            print(text, file=file or sys.stdout, flush=True)
+
+
+_fork_hook_registered = False
+
+
+def _forget_the_wakeup_descriptor_in_forked_children() -> None:
+    """A process forked without exec (multiprocessing's fork, a forked data-loader worker) would inherit the
+    wakeup descriptor, and the Ctrl-C that reaches the whole process group would then write its number into our
+    pipe twice: from this process and from the child. The watcher would take that for a second Ctrl-C."""
+    global _fork_hook_registered
+    if not _fork_hook_registered:
+        os.register_at_fork(after_in_child=_drop_wakeup_descriptor)
+        _fork_hook_registered = True
+
+
+def _drop_wakeup_descriptor() -> None:
+    if _active is None or _active._watcher._fds is None:   # ours is not set: leave any other owner's alone
+        return
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:   # not this interpreter's main thread: nothing was set here
+        pass
 
 
 @contextlib.contextmanager

@@ -231,7 +231,7 @@ class Trainer:
         # One process abandons a step that a signal catches in its forward or backward pass (stopping.py). Under
         # data parallel it must not: a rank that left its backward pass half-way would leave the others waiting
         # in the gradient all-reduce. There the ranks agree to stop after a step (agreed_stop).
-        with StopOnSignal(abandon_steps=not self.dist.enabled) as stop, self.heartbeat():
+        with StopOnSignal(abandon_steps=not self.dist.enabled, log=self.log) as stop, self.heartbeat():
             try:
                 if self.validation.missing_at(steps_done, resumed=self.checkpoints.resumed_from is not None):
                     self.validation.run(steps_done, self.log, self.progress, self.writer)

@@ -280,43 +280,94 @@ def test_a_signal_stops_a_long_step_within_seconds(tmp_path, number, exit_code):
 # A signal while the main thread waits inside a native call (on a GPU: the backward pass, on the autograd
 # engine's thread, compiling its kernels). Python cannot run the handler until the call returns.
 # ----------------------------------------------------------------------------------------------------------
-MAIN_THREAD_IN_A_NATIVE_CALL = """
-import ctypes, sys
+IN_A_NATIVE_CALL = """
+import ctypes, hashlib, sys
 sys.path.insert(0, {root!r})
 from tinytransformer.training.stopping import StopOnSignal
-with StopOnSignal(log=lambda text: print(text, flush=True), grace_s=0.5):
-    print("waiting", flush=True)
-    # libc's system() waits for its child in C and retries the wait after a SIGTERM: like the main thread of a
-    # GPU run inside loss.backward(), it does not return to Python until the child is done.
-    ctypes.CDLL(None).system(b"exec sleep 30 > /dev/null 2>&1")   # not holding our pipes open after we end
-print("the call returned", flush=True)
+with StopOnSignal(log=lambda text: print(text, flush=True), grace_s=0.5) as stop:
+    {call}
+print("the call returned, stop requested by", stop.name, flush=True)
 """
+# libc's system() waits for its child in C and retries the wait after a SIGTERM: like the main thread of a GPU
+# run inside loss.backward(), it does not return to Python until the child is done. The child says when it runs
+# (so the signal cannot land before the call), and does not hold our pipes open after the driver ends.
+SYSTEM_CALL = "ctypes.CDLL(None).system(b'echo waiting; exec sleep {seconds} > /dev/null 2>&1')"
+# system() ignores SIGINT while it waits; a long key derivation holds the main thread in C without doing so.
+HASH_CALL = "print('waiting', flush=True); hashlib.pbkdf2_hmac('sha256', b'x', b'y', 400_000_000)"
+NOTICE = "received while the main thread waits inside a native call"
+
+
+def start_in_a_native_call(call: str) -> subprocess.Popen:
+    driver = IN_A_NATIVE_CALL.format(root=str(REPO_ROOT), call=call)
+    process = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)   # its own group: cleaned up by end_group
+    assert process.stdout.readline() == "waiting\n", process.stderr.read()
+    return process
+
+
+def end_group(process: subprocess.Popen) -> None:
+    """Kill whatever is left of the driver's process group: the `sleep` of SYSTEM_CALL, or a driver that a
+    failed check left running."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 @pytest.mark.skipif(os.name != "posix", reason="the watcher uses a POSIX pipe as the wakeup descriptor")
-def test_a_second_signal_ends_a_run_whose_main_thread_is_out_of_reach():
-    driver = MAIN_THREAD_IN_A_NATIVE_CALL.format(root=str(REPO_ROOT))
-    process = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)   # its own group: the sleep is cleaned up below
+@pytest.mark.parametrize("number, call, exit_code", [(signal.SIGTERM, SYSTEM_CALL.format(seconds=60), 143),
+                                                     (signal.SIGINT, HASH_CALL, 130)])
+def test_a_second_signal_ends_a_run_whose_main_thread_is_out_of_reach(number, call, exit_code):
+    process = start_in_a_native_call(call)
     try:
-        assert process.stdout.readline() == "waiting\n", process.stderr.read()
-        time.sleep(0.3)   # into system()
-        process.send_signal(signal.SIGTERM)
-        said = process.stdout.readline()   # within the grace period (0.5 s), not when the 30 s call ends
-        assert said.startswith("SIGTERM received while the main thread waits inside a native call"), said
-        assert "send SIGTERM again to end it now" in said
+        time.sleep(0.5)   # into the call (system() is in it already: its child spoke)
+        process.send_signal(number)
+        said = process.stdout.readline()   # within the grace period (0.5 s), not when the call ends
+        name = signal.Signals(number).name
+        assert said.startswith(f"{name} {NOTICE}"), said
+        assert ("press Ctrl-C again" if number == signal.SIGINT else "send SIGTERM again") in said
         sent = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=20)
-        assert time.monotonic() - sent < 10
-        assert process.returncode == 143, err
-        assert "SIGTERM again while the main thread is still inside that call: interrupted" in err
+        process.send_signal(number)
+        out, err = process.communicate(timeout=30)
+        assert time.monotonic() - sent < 15
+        assert process.returncode == exit_code, err
+        assert f"{name} again while the main thread is still inside that call: interrupted" in err
         assert "the call returned" not in out and "Traceback" not in err
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)   # the `sleep 30` left behind (and the driver, if a check failed)
-        except ProcessLookupError:
-            pass
+        end_group(process)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the watcher uses a POSIX pipe as the wakeup descriptor")
+def test_two_signals_at_once_are_one_request():
+    """A scheduler's SIGTERM that comes twice (torchrun under Slurm sends its own after Slurm's), or a quick
+    double Ctrl-C, lands before the user could read the watcher's line: the run still stops the graceful way."""
+    process = start_in_a_native_call(SYSTEM_CALL.format(seconds=4))
+    try:
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err
+        assert out.count(NOTICE) == 1 and "interrupted" not in err
+        assert "the call returned, stop requested by SIGTERM" in out
+    finally:
+        end_group(process)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the watcher uses a POSIX pipe as the wakeup descriptor")
+def test_a_closed_output_does_not_silence_the_watcher():
+    """`python train.py | tee log`: the Ctrl-C that reaches the group ends tee too. The watcher's line then has
+    nowhere to go, and the second signal must still end the process."""
+    process = start_in_a_native_call(SYSTEM_CALL.format(seconds=60))
+    try:
+        process.stdout.close()
+        process.send_signal(signal.SIGTERM)
+        time.sleep(3)   # past the grace period: the line was tried (and failed) by now
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 143, process.stderr.read()
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        end_group(process)
 
 
 GPU_BACKWARD_THAT_TAKES_A_WHILE = """
@@ -404,6 +455,16 @@ def test_a_forked_child_does_not_write_into_the_watchers_pipe():
         reported = os.read(read_fd, 16).decode()
         os.close(read_fd), os.close(write_fd)
     assert reported == "-1"
+
+
+def test_under_jupyter_the_watcher_never_ends_the_process(monkeypatch):
+    """A second "interrupt kernel" must not throw away the notebook's state: there the line only says to wait."""
+    monkeypatch.setitem(sys.modules, "ipykernel", sys)   # any module: only its presence is read
+    said = []
+    watcher = StopOnSignal(log=said.append)._watcher
+    assert not watcher.may_end_the_process
+    watcher._say_what_the_run_waits_for(signal.SIGINT)
+    assert NOTICE in said[0] and "again" not in said[0]
 
 
 def test_the_watcher_stops_with_the_run_and_gives_the_descriptor_back():

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -64,7 +65,7 @@ class StopOnSignal:
         self.abandon_steps = abandon_steps
         self.signal_number = None
         self.in_abandonable_region = False
-        self.handled = 0   # how many times the handler ran (in the main thread); the watcher compares
+        self.last_handled_at = None   # monotonic time of the handler's last run (main thread); the watcher reads it
         self._previous = {}
         self._watcher = MainThreadWatcher(self, log, grace_s)
 
@@ -79,15 +80,17 @@ class StopOnSignal:
 
     def __exit__(self, *exc_info):
         global _active
-        self._watcher.stop()
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-        if _active is self:
-            _active = None
+        try:
+            self._watcher.stop()   # a Ctrl-C during its short join must not leave our handlers installed
+        finally:
+            for number, handler in self._previous.items():
+                signal.signal(number, handler)
+            if _active is self:
+                _active = None
         return False
 
     def _handle(self, number, frame):
-        self.handled += 1
+        self.last_handled_at = time.monotonic()
         if self.signal_number is not None:
             if number == signal.SIGINT:
                 raise KeyboardInterrupt   # the second Ctrl-C
@@ -113,17 +116,22 @@ class StopOnSignal:
 class MainThreadWatcher:
     """A thread that hears SIGINT and SIGTERM as they arrive (Python writes each signal's number to the wakeup
     file descriptor from its C-level handler, whatever the main thread is doing) and checks that the main thread
-    handles each within `grace_s` (StopOnSignal.handled grows). When it has not:
-      - the first signal gets one line saying what the run waits for, and how to stop it at once;
-      - a second one ends the process at once, with the exit code an interrupted run has (130 for SIGINT, 143
-        for SIGTERM).
-    It does nothing where another part of the program owns the wakeup descriptor (asyncio, for one), or where
-    Python offers none for pipes (Windows): there the signals keep their behaviour without the watcher."""
+    runs the handler within `grace_s`. When it has not:
+      - it prints one line saying what the run waits for, and how to end it now;
+      - a signal that arrives AFTER that line, while the handler has still not run, ends the process at once with
+        the exit code of an interrupted run (130 for SIGINT, 143 for SIGTERM).
+    Signals already waiting in the pipe when the line is printed do not count: a scheduler that sends SIGTERM
+    twice (torchrun under Slurm does) or a quick double Ctrl-C is one request, and the run still stops the
+    graceful way when the main thread comes back. Under Jupyter (ipykernel loaded) it never ends the process:
+    that would throw away the notebook's state. It does nothing where another part of the program owns the
+    wakeup descriptor (asyncio, for one), or where Python offers none for pipes (Windows)."""
 
-    CLOSING = b"\0"   # not a signal number: written by stop() to end the thread
+    CLOSING = b"\0"        # not a signal number: written by stop() to end the thread
+    HANDLER_SLACK_S = 1.0   # the handler may run just BEFORE this thread reads the byte of the same signal
 
     def __init__(self, stop: StopOnSignal, log, grace_s: float):
         self.stop_signals, self.log, self.grace_s = stop, log, grace_s
+        self.may_end_the_process = "ipykernel" not in sys.modules
         self._fds = None
         self._thread = None
 
@@ -131,7 +139,7 @@ class MainThreadWatcher:
         """Called by the main thread (set_wakeup_fd is only allowed there)."""
         if os.name != "posix":
             return
-        _forget_the_wakeup_descriptor_in_forked_children()
+        _forget_the_watcher_in_forked_children()
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)   # a full pipe must never block the signal handler
         previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
@@ -140,81 +148,130 @@ class MainThreadWatcher:
             os.close(read_fd), os.close(write_fd)
             return
         self._fds = (read_fd, write_fd)
-        self._thread = threading.Thread(target=self._watch, name="stop-signal-watcher", daemon=True)
+        self._thread = threading.Thread(target=self._watch, args=(read_fd,), name="stop-signal-watcher",
+                                        daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop hearing signals first (so no new byte follows CLOSING), then end the thread. The join waits a
+        little longer than one grace period, the longest the thread can be busy with one signal."""
         if self._fds is None:
             return
         signal.set_wakeup_fd(-1)
         read_fd, write_fd = self._fds
-        os.write(write_fd, self.CLOSING)
+        self._fds = None
+        try:
+            os.write(write_fd, self.CLOSING)
+        except BlockingIOError:   # a pipe full of signal numbers: the thread reaches CLOSING later, or never
+            pass
         self._thread.join(timeout=self.grace_s + 1.0)
-        os.close(read_fd), os.close(write_fd)
-        self._fds = self._thread = None
+        if not self._thread.is_alive():   # else it may still read: leave both ends open (a daemon, gone at exit)
+            os.close(read_fd), os.close(write_fd)
+        self._thread = None
 
-    def _watch(self) -> None:
-        received = 0
+    def forget_in_child(self) -> None:
+        """In a forked child: this process is not the watched one. Close its copies of the pipe, so that nothing
+        it does (leaving a `with StopOnSignal` block of its own) can write into the parent's pipe."""
+        if self._fds is not None:
+            os.close(self._fds[0]), os.close(self._fds[1])
+            self._fds = self._thread = None
+
+    def _watch(self, read_fd: int) -> None:
+        told = False   # the line was printed, and the main thread has not run the handler since
         while True:
-            for number in os.read(self._fds[0], 64):
-                if number == self.CLOSING[0]:
-                    return
+            numbers = self._read(read_fd)
+            if not numbers or self.CLOSING[0] in numbers:
+                return
+            for number in numbers:
                 if number not in StopOnSignal.EXIT_CODES:
                     continue
-                received += 1
-                if self._handled_in_time(received):
-                    continue
-                if received == 1:
+                if self._handler_ran_since(time.monotonic() - self.HANDLER_SLACK_S):
+                    told = False   # the main thread is back: the trainer does the rest
+                elif not told:
                     self._say_what_the_run_waits_for(number)
-                else:
+                    told = True
+                    if self._closing_among_waiting_bytes(read_fd):   # they came before the line: one request
+                        return
+                    break
+                elif self.may_end_the_process:
                     self._end_the_process(number)
 
-    def _handled_in_time(self, received: int) -> bool:
+    def _closing_among_waiting_bytes(self, read_fd: int) -> bool:
+        """Read and drop every byte already in the pipe; True if stop() asked the thread to end."""
+        dropped = b""
+        while select.select([read_fd], [], [], 0)[0]:
+            more = self._read(read_fd)
+            if not more:
+                return True
+            dropped += more
+        return self.CLOSING[0] in dropped
+
+    @staticmethod
+    def _read(read_fd: int) -> bytes:
+        try:
+            return os.read(read_fd, 64)
+        except OSError:   # closed under us: the run is over
+            return b""
+
+    def _handler_ran_since(self, moment: float) -> bool:
+        """Whether the main thread runs the handler (or ran it after `moment`) within one grace period."""
         give_up_at = time.monotonic() + self.grace_s
-        while self.stop_signals.handled < received and time.monotonic() < give_up_at:
+        while True:
+            ran_at = self.stop_signals.last_handled_at
+            if ran_at is not None and ran_at >= moment:
+                return True
+            if time.monotonic() >= give_up_at:
+                return False
             time.sleep(0.05)
-        return self.stop_signals.handled >= received
 
     def _say_what_the_run_waits_for(self, number: int) -> None:
         name = signal.Signals(number).name
         again = "press Ctrl-C again" if number == signal.SIGINT else "send SIGTERM again"
+        then = f"; {again} to end it now, without a checkpoint" if self.may_end_the_process else ""
         self._print(f"{name} received while the main thread waits inside a native call (on a GPU, the backward "
                     f"pass runs on the autograd engine's own thread, and its first run compiles kernels): the run "
-                    f"stops when that call returns; {again} to end it now, without a checkpoint")
+                    f"stops when that call returns{then}")
 
     def _end_the_process(self, number: int) -> None:
         name = signal.Signals(number).name
-        self._print(f"{name} again while the main thread is still inside that call: interrupted", sys.stderr)
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(130 if number == signal.SIGINT else 128 + signal.SIGTERM)
+        try:
+            self._print(f"{name} again while the main thread is still inside that call: interrupted", sys.stderr)
+            sys.stdout.flush()
+        finally:   # a closed pipe (`| tee`, whose Ctrl-C ended it too) must not keep the process alive
+            os._exit(130 if number == signal.SIGINT else 128 + signal.SIGTERM)
 
     def _print(self, text: str, file=None) -> None:
-        if file is None and self.log is not None:
-            self.log(text)   # the trainer's log: one lock for both threads, and only rank 0 prints
-        else:
-            print(text, file=file or sys.stdout, flush=True)
+        """One line; an output that is gone (a reader that left the pipe) must not end the watcher."""
+        try:
+            if file is None and self.log is not None:
+                self.log(text)   # the trainer's log: one lock for both threads, and only rank 0 prints
+            else:
+                print(text, file=file or sys.stdout, flush=True)
+        except (OSError, ValueError):
+            pass
 
 
 _fork_hook_registered = False
 
 
-def _forget_the_wakeup_descriptor_in_forked_children() -> None:
-    """A process forked without exec (multiprocessing's fork, a forked data-loader worker) would inherit the
-    wakeup descriptor, and the Ctrl-C that reaches the whole process group would then write its number into our
-    pipe twice: from this process and from the child. The watcher would take that for a second Ctrl-C."""
+def _forget_the_watcher_in_forked_children() -> None:
+    """A process forked without exec (multiprocessing's fork, a forked data-loader worker) inherits the wakeup
+    descriptor and the pipe: the Ctrl-C that reaches the whole process group would then write its number into the
+    pipe twice, from this process and from the child, and look like a second Ctrl-C."""
     global _fork_hook_registered
     if not _fork_hook_registered:
-        os.register_at_fork(after_in_child=_drop_wakeup_descriptor)
+        os.register_at_fork(after_in_child=_forget_the_watcher)
         _fork_hook_registered = True
 
 
-def _drop_wakeup_descriptor() -> None:
+def _forget_the_watcher() -> None:
     if _active is None or _active._watcher._fds is None:   # ours is not set: leave any other owner's alone
         return
     try:
         signal.set_wakeup_fd(-1)
     except ValueError:   # not this interpreter's main thread: nothing was set here
         pass
+    _active._watcher.forget_in_child()
 
 
 @contextlib.contextmanager

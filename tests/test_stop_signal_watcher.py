@@ -216,3 +216,56 @@ def test_the_watcher_stops_with_the_run_and_gives_the_descriptor_back():
         os.kill(os.getpid(), signal.SIGTERM)   # handled at once by the main thread: the watcher is silent
     assert signal.set_wakeup_fd(-1) == -1
     assert watcher is None or not watcher.is_alive()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The whole run on a GPU: a real training step whose backward pass takes long, stopped from outside
+# ----------------------------------------------------------------------------------------------------------
+SLOW_BACKWARD_IN_STEP_3 = """
+import sys, time
+sys.path.insert(0, {root!r})
+from version1_pytorch_baseline import tiny_llama_v1 as v1
+forward, calls = v1.TinyLlama.forward, []
+
+def forward_whose_backward_takes_long(self, *args, **kwargs):
+    logits, loss = forward(self, *args, **kwargs)
+    calls.append(1)
+    if len(calls) == 3:   # step 3: its backward pass waits as a first step's kernel compilation does
+        def slow(grad):   # runs on the autograd engine's device thread
+            print("in the backward pass of step 3", flush=True)
+            time.sleep(15)
+            return grad
+        logits.register_hook(slow)
+    return logits, loss
+
+v1.TinyLlama.forward = forward_whose_backward_takes_long
+sys.exit(v1.main(sys.argv[1:]))
+"""
+GPU_RUN = ["--hidden-dim", "32", "--num-heads", "2", "--num-layers", "1", "--intermediate-size", "64",
+           "--vocab-size", "300", "--batch-size", "2", "--seq-len", "16", "--num-steps", "5", "--log-every", "1",
+           "--device", "cuda"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.name != "posix", reason="the watcher uses a POSIX pipe as the wakeup descriptor")
+def test_a_run_whose_gpu_backward_pass_takes_long_says_so_and_stops_after_it(tmp_path):
+    driver = SLOW_BACKWARD_IN_STEP_3.format(root=str(REPO_ROOT))
+    process = subprocess.Popen([sys.executable, "-c", driver] + GPU_RUN, cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not lines or lines[-1] != "in the backward pass of step 3\n":
+            assert process.poll() is None, "".join(lines) + process.stderr.read()
+            lines.append(process.stdout.readline())
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        while NOTICE not in lines[-1]:   # the trainer's log, from the watcher thread, well before the pass ends
+            lines.append(process.stdout.readline())
+            assert lines[-1], "".join(lines) + process.stderr.read()
+        assert time.monotonic() - sent < 10
+        out, err = process.communicate(timeout=60)   # after the 15 s pass: the step is abandoned, not finished
+        assert process.returncode == 143, err
+        assert "SIGTERM received during step 3/5, abandoned: stopping after step 2" in out, "".join(lines) + out
+        assert "Traceback" not in err
+    finally:
+        process.kill() if process.poll() is None else None

@@ -17,8 +17,9 @@ inside one long native call, the handler waits too. The call that matters: on a 
 backward pass on the autograd engine's own device thread while the main thread waits in C++, and the first step's
 backward pass compiles its kernels there (Triton's, or torch.compile's: minutes in max-autotune mode). So a
 watcher thread hears every stop signal as it arrives (through `signal.set_wakeup_fd`) and, when the main thread
-has not handled it within a grace period, says what the run is waiting for; a second signal while the main thread
-is still out of reach ends the process at once, as the second Ctrl-C does elsewhere. What the user had survives it:
+has not handled it within a grace period, says what the run is waiting for; a signal sent after that line, while
+the main thread is still out of reach, ends the process at once, as the second Ctrl-C does elsewhere (details in
+MainThreadWatcher). What the user had survives it:
 a checkpoint caught half-written (a long copy from the GPU) is a hidden temporary file beside the previous one,
 which the next run removes (checkpoint/files.py).
 

@@ -19,9 +19,8 @@ backward pass compiles its kernels there (Triton's, or torch.compile's: minutes 
 watcher thread hears every stop signal as it arrives (through `signal.set_wakeup_fd`) and, when the main thread
 has not handled it within a grace period, says what the run is waiting for; a signal sent after that line, while
 the main thread is still out of reach, ends the process at once, as the second Ctrl-C does elsewhere (details in
-MainThreadWatcher). What the user had survives it:
-a checkpoint caught half-written (a long copy from the GPU) is a hidden temporary file beside the previous one,
-which the next run removes (checkpoint/files.py).
+MainThreadWatcher). What the user had survives it: a checkpoint caught half-written (a long copy from the GPU) is
+a hidden temporary file beside the previous one, which the next run removes (checkpoint/files.py).
 
 A step marks the part that may be abandoned with `with may_abandon():` (EagerStep does). A step that does not
 (version 4's CUDA-graph replay, whose optimizer update is part of the replayed graph) is never abandoned: it is
@@ -140,7 +139,6 @@ class MainThreadWatcher:
         """Called by the main thread (set_wakeup_fd is only allowed there)."""
         if os.name != "posix":
             return
-        _forget_the_watcher_in_forked_children()
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)   # a full pipe must never block the signal handler
         previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
@@ -239,7 +237,7 @@ class MainThreadWatcher:
             self._print(f"{name} again while the main thread is still inside that call: interrupted", sys.stderr)
             sys.stdout.flush()
         finally:   # a closed pipe (`| tee`, whose Ctrl-C ended it too) must not keep the process alive
-            os._exit(130 if number == signal.SIGINT else 128 + signal.SIGTERM)
+            os._exit(128 + number)   # the shell's code for a process ended by that signal: 130, 143
 
     def _print(self, text: str, file=None) -> None:
         """One line; an output that is gone (a reader that left the pipe) must not end the watcher."""
@@ -252,20 +250,10 @@ class MainThreadWatcher:
             pass
 
 
-_fork_hook_registered = False
-
-
-def _forget_the_watcher_in_forked_children() -> None:
-    """A process forked without exec (multiprocessing's fork, a forked data-loader worker) inherits the wakeup
-    descriptor and the pipe: the Ctrl-C that reaches the whole process group would then write its number into the
-    pipe twice, from this process and from the child, and look like a second Ctrl-C."""
-    global _fork_hook_registered
-    if not _fork_hook_registered:
-        os.register_at_fork(after_in_child=_forget_the_watcher)
-        _fork_hook_registered = True
-
-
 def _forget_the_watcher() -> None:
+    """In a child forked without exec (multiprocessing's fork, a forked data-loader worker), which would inherit
+    the wakeup descriptor and the pipe: the Ctrl-C that reaches the whole process group would then write its number
+    into the pipe twice, from the watched process and from the child, and look like a second Ctrl-C."""
     if _active is None or _active._watcher._fds is None:   # ours is not set: leave any other owner's alone
         return
     try:
@@ -273,6 +261,10 @@ def _forget_the_watcher() -> None:
     except ValueError:   # not this interpreter's main thread: nothing was set here
         pass
     _active._watcher.forget_in_child()
+
+
+if hasattr(os, "register_at_fork"):   # POSIX; a no-op in every child forked while no watcher runs
+    os.register_at_fork(after_in_child=_forget_the_watcher)
 
 
 @contextlib.contextmanager

@@ -1,13 +1,15 @@
 """Kernel families by name, and the phases of a CUDA/HIP graph replay (tinytransformer/profiling/kernel_names.py):
 a replay hides the record_function ranges, so version 4's step is split by kernel name and order instead."""
 import json
+from pathlib import Path
 
 import pytest
 
-from tinytransformer.profiling.analysis import family_split, phase_split
+from tinytransformer.profiling.analysis import family_split, kernels_per_step, phase_split, summarize
 from tinytransformer.profiling.kernel_names import FAMILY_NAMES, family_of, is_graph_launch, replay_phases
 from tinytransformer.profiling.report_cli import main as report_main
 from tinytransformer.profiling.tables import write_reports
+from tinytransformer.profiling.trace import trace_of
 
 from .trace_samples import FLAVOURS, GPU_PID, STREAM, TraceBuilder
 
@@ -42,6 +44,11 @@ GRAPH_LAUNCH = {"cuda": ("cuda_runtime", "cudaGraphLaunch"), "rocm": ("cuda_runt
     ("_inverse_count_kernel", "cross_entropy"),
     # our Triton kernels
     ("_flash_attention_backward_dkdv_kernel", "attention"),
+    # cuDNN's fused attention (version 4 at head dim 128 on Hopper): its kernels and its backward pass's helpers
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128_4x1x1_kernel0_0", "attention"),
+    ("void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*, void const*, void*, void*, "
+     "unsigned int)", "attention"),
+    ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int, unsigned int)", "attention"),
     ("_add_rms_norm_backward_kernel", "rmsnorm"),
     ("_qkv_rope_kernel", "rope"),
     ("_rotate_qk_kernel", "rope"),
@@ -186,3 +193,48 @@ def test_a_launch_that_is_not_a_graph_keeps_other():
     phases = phase_split({"traceEvents": t.events})
     assert phases["us"]["other"] == 5.0 and phases["us"]["backward"] == 0.0
     assert "graph replays" not in phases["label"]
+
+
+def test_work_launched_before_the_recording_is_left_out():
+    """The host runs ahead of the GPU: the replay it launched a step before the recording began still runs when
+    the recording starts. Its launch is not in the trace (its correlation number is below the first recorded
+    launch's); it is no part of the profiled steps, so it is left out of their time, phases and kernel count."""
+    trace = replayed_step_trace("cuda")
+    earlier = [("_add_rms_norm_backward_kernel", 5, STREAM), ("nvjet_sm90_gemm", 9, SIDE_STREAM),
+               ("_adamw_kernel", 3, STREAM)]
+    for offset, (name, duration, stream) in enumerate(earlier):
+        trace["traceEvents"].append({"ph": "X", "cat": "kernel", "name": name, "ts": 1 + offset, "dur": duration,
+                                     "pid": GPU_PID, "tid": stream, "args": {"correlation": 40}})
+    phases = phase_split(trace)
+    assert phases["us"]["other"] == 0.0 and phases["us"]["optimizer"] == 10.0   # as without the earlier replay
+    assert "left out: 3 events (0.0 ms) launched before the recording began" in phases["label"]
+    assert kernels_per_step(trace) == kernels_per_step(replayed_step_trace("cuda"))
+
+
+# Version 4's graph-captured step as torch.profiler recorded it on an H100 (bfloat16, 3 profiled steps, both
+# streams): cd version4_triton_ultra && python run_pytorch_profiler.py --preset medium --use-amp --num-steps 12
+# --warmup-steps 6 (and --preset large), the trace's name shortened. The recording starts while the step before
+# the first profiled one still runs on the GPU (288 and 458 events).
+V4_TRACES = {preset: Path(__file__).parent / "fixtures" / f"gpu_trace_v4_{preset}_h100.json.gz"
+             for preset in ("medium", "large")}
+
+
+def one_replay_of(trace) -> int:
+    """Kernels of the first recorded graph replay, counted through their launch (the correlation number)."""
+    analysis = trace_of(trace).analysis
+    first = min(dev.anchor.start for dev in analysis.device if dev.anchor is not None and is_graph_launch(dev.anchor.name))
+    return sum(1 for dev in analysis.device if dev.kind == "kernel" and dev.anchor is not None
+               and dev.anchor.start == first)
+
+
+@pytest.mark.parametrize("preset", V4_TRACES)
+def test_a_recorded_version_4_step_is_charged_to_its_phases_and_families(preset):
+    trace = trace_of(V4_TRACES[preset])
+    phases = phase_split(trace)
+    assert phases["us"]["other"] < 0.001 * phases["total_us"]   # the run's own eager copies and the loss's .item()
+    assert phases["us"]["backward"] > phases["us"]["forward_other"] > 0 and phases["us"]["optimizer"] > 0
+    assert "left out:" in phases["label"] and "launched before the recording began" in phases["label"]
+    families = {row["family"]: row["us"] for row in family_split(trace)}
+    assert families.get("other", 0.0) < 0.001 * sum(families.values())
+    assert {"gemm", "attention", "rmsnorm", "swiglu", "rope", "optimizer", "cross_entropy"} <= set(families)
+    assert summarize(trace)["kernels_per_step"] == pytest.approx(one_replay_of(trace), abs=6)

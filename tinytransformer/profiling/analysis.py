@@ -252,6 +252,10 @@ def phase_split(trace, basis: str = "auto") -> dict:
         if analysis.replayed_by_name:
             label += (f"; {analysis.replayed_by_name} events of CUDA/HIP graph replays by kernel name and order "
                       f"(a replay hides the ranges)")
+        if analysis.before_recording:
+            left_out_ms = sum(dev.dur for dev in analysis.before_recording) / 1e3
+            label += (f"; left out: {len(analysis.before_recording)} events ({left_out_ms:.1f} ms) launched "
+                      f"before the recording began, the step before's work still running")
     else:
         label = "CPU self time of host ops and launch calls, by where they ran"
         for ev in analysis.host:

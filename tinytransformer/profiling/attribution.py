@@ -6,6 +6,12 @@ thread, so nesting in time gives its chain of enclosing operators and record_fun
 launch is missing from the trace, args["External id"] (the same number as the issuing cpu_op's) is used;
 a kernel linked to nothing keeps its own start time and is charged to no operator.
 
+Work launched before the recording began is left out. The host runs ahead of the GPU: when the profiler starts
+recording, the GPU may still be running what the host launched a step earlier (for a graph-captured step, a
+whole replay). Its launches are not in the trace; its correlation numbers, which count launches in order, are
+below the first recorded launch's. Such events are no part of the profiled steps, so they are set aside
+(TraceAnalysis.before_recording) instead of being charged to the first step's time and phases.
+
 Steps and phases are decided by when the work was ISSUED (the GPU runs it later): a kernel belongs to the
 "ProfilerStep#N" range and to the model part (profiling/ranges.py) around its launch. The kernels of a CUDA/HIP
 graph replayed outside every range (version 4's captured step) have no range around their launch: they are
@@ -56,7 +62,8 @@ class TraceAnalysis:
         parsed = (parse_event(raw, order) for order, raw in enumerate(raw_events))
         events = [ev for ev in parsed if ev is not None]
         self.host = [ev for ev in events if ev.kind in HOST_KINDS]
-        self.device = [ev for ev in events if ev.kind in DEVICE_KINDS]
+        self.device, self.before_recording = self._split_work_launched_before_recording(
+            [ev for ev in events if ev.kind in DEVICE_KINDS])
         self.memory = [ev for ev in events if ev.kind == "memory"]
         self._nest_host_events_per_thread()
         self._charge_memory_to_operators()
@@ -120,6 +127,23 @@ class TraceAnalysis:
         return None
 
     # -- device side -----------------------------------------------------------------------------------------
+
+    def _split_work_launched_before_recording(self, device: list[Event]) -> tuple[list[Event], list[Event]]:
+        """(device events of the recording, device events launched before it began): see the module docstring.
+        A trace without launch calls (a CPU trace, or one recorded without the host side) keeps every event."""
+        recorded = [ev.args["correlation"] for ev in self.host
+                    if ev.kind == "launch" and isinstance(ev.args.get("correlation"), int)]
+        if not recorded:
+            return device, []
+        first = min(recorded)
+        known = set(recorded) | {ev.args.get("External id") for ev in self.host if "External id" in ev.args}
+
+        def launched_before(dev: Event) -> bool:
+            correlation = dev.args.get("correlation")
+            return (isinstance(correlation, int) and correlation < first and correlation not in known
+                    and dev.args.get("External id") not in known)
+        return ([dev for dev in device if not launched_before(dev)],
+                [dev for dev in device if launched_before(dev)])
 
     def _link_device_events(self):
         launches = {}

@@ -49,7 +49,9 @@ LOSS_FAMILY = LOSS + r"|_scale_pair"
 # fused kernel has one, and "triton_tem_" is a GEMM template.
 FAMILIES = (
     ("cross_entropy", LOSS_FAMILY),
-    ("attention", r"flash|attention|fmha|sdpa|attn_fwd|bwd_kernel_d|softmax"),
+    # cuDNN's fused attention names its main kernels ..._sdpa_...; its backward pass adds two helpers, the row
+    # sums of dO * O (compute_dot_do_o) and dq's rounding from float32 (convert_dq_to_16bits)
+    ("attention", r"flash|attention|fmha|sdpa|attn_fwd|bwd_kernel_d|softmax|dot_do_o|convert_dq"),
     ("gemm", r"gemm|gemv|xmma|nvjet|cutlass|cijk_|matmul|splitk|dot_kernel|triton_tem_"),
     ("rmsnorm", RMSNORM + r"|rsqrt"),
     ("rope", ROPE),

@@ -93,10 +93,16 @@ def test_v1_flops_run(v1_flops):
 
 
 def test_v2_flops_run(tmp_path):
-    code, out, err = run_main(deepspeed_flops_main, V2, FLOPS_FLAGS + ["--output-dir", tmp_path])
+    """Also: the training script's profiler flags, which this command does not use, are named in a note, and no
+    trace is written."""
+    code, out, err = run_main(deepspeed_flops_main, V2, FLOPS_FLAGS + ["--output-dir", tmp_path,
+                                                                       "--profile-dir", tmp_path / "traces",
+                                                                       "--enable-pytorch-profiler"])
     assert code == 0, err
     result = check_flops_outputs(tmp_path, out, "v2")
     assert result["intensity"] is None and result["roofline"] is None   # only on request
+    assert "note: --enable-pytorch-profiler, --profile-dir not used here" in out
+    assert not any((tmp_path / "traces").glob("*.json"))
 
 
 def test_analyze_results_round_trip(v1_flops):

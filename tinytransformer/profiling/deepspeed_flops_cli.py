@@ -33,6 +33,11 @@ from .flops_summary import DEEPSPEED_VS_ANALYTIC, check_flops_profile, compare_p
 from .roofline import write_roofline
 from .trace import TraceError
 
+# The training script's PyTorch-profiler flags, which this command accepts (it shares the parser) but does not use:
+# it times its steps itself and records no trace (run_pytorch_profiler.py does).
+PROFILER_FLAGS = {"enable_pytorch_profiler": "--enable-pytorch-profiler", "profile_memory": "--profile-memory",
+                  "profile_dir": "--profile-dir", "profile_operators": "--profile-operators",
+                  "sort_by": "--sort-by", "profile_steps": "--profile-steps"}
 DEFAULT_FLOPS_WARMUP_STEPS = 5
 DEFAULT_TIMING_STEPS = 20
 FLOPS_PROFILE_KIND = "flops_profile"
@@ -82,6 +87,10 @@ def measure_flops(spec: VersionSpec, args, argv, command: str) -> dict:
 
     if args.num_steps is not None:
         print("note: --num-steps is not used here; the timing runs --warmup-steps + --timing-steps steps")
+    unused = [flag for dest, flag in PROFILER_FLAGS.items() if getattr(args, dest, None) is not None]
+    if unused:
+        print(f"note: {', '.join(unused)} not used here: this command records no PyTorch-profiler trace "
+              f"(run_pytorch_profiler.py does)")
     warmup = args.warmup_steps if args.warmup_steps is not None else DEFAULT_FLOPS_WARMUP_STEPS
     args.num_steps = warmup + args.timing_steps      # only so that the shared validation sees a consistent run
     args.warmup_steps = warmup

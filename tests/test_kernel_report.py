@@ -263,6 +263,8 @@ def test_nvidia_spills_in_the_stack_frame_count_as_local_memory():
     text = " Function spilling_kernel:\n  REG:255 STACK:248 SHARED:0 LOCAL:0 CONSTANT[0]:600\n"
     assert nvidia.parse_resource_usage(text, "spilling_kernel") == {
         "registers": 255, "local_bytes": 248, "static_shared_bytes": 0, "stack_bytes": 248}
+    both = " Function both_kernel:\n  REG:255 STACK:32 SHARED:0 LOCAL:16 CONSTANT[0]:600\n"
+    assert nvidia.parse_resource_usage(both, "both_kernel")["local_bytes"] == 48
 
 
 @pytest.mark.parametrize("vgprs, lds, warps, expected, limit", [

@@ -4,7 +4,8 @@
     REG     registers per thread
     LOCAL   local memory bytes per thread that ptxas does not count as stack (Triton's kernels keep no arrays there)
     SHARED  static shared memory bytes (Triton asks for its shared memory at launch: the kernel's metadata)
-    STACK   stack frame bytes per thread: where ptxas puts the registers it spills
+    STACK   stack frame bytes per thread: where ptxas puts the registers it spills (and call frames; Triton's
+            kernels make no calls, so here it is spills)
 The driver's local memory per thread (what Triton reports as n_spills, in 4-byte words) is LOCAL + STACK:
 spilled registers show up as STACK with LOCAL still 0, so the two are read together (local_bytes).
 """

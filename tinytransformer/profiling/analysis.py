@@ -69,7 +69,8 @@ def has_device_activity(trace) -> bool:
 
 
 def device_kernels(trace, include_memory_ops: bool = True) -> list[dict]:
-    """Every device event as a flat record, in file order.
+    """Every device event of the recording as a flat record, in file order (not the work launched before the
+    recording began: profiling/attribution.py).
 
     Fields: name, category (kernel / gpu_memcpy / gpu_memset), start_us, dur_us, correlation, launch (the
     host call that launched it, or None), issued_us (when it was launched; its own start if unknown),
@@ -196,7 +197,8 @@ def top_operators(trace, sort_by: str = "self_device_time", limit: int | None = 
 
 
 def top_kernels(trace, limit: int | None = 20) -> ReportRows:
-    """Per device-event name: calls, total/mean/min/max us and % of all device time, longest total first.
+    """Per device-event name: calls, total/mean/min/max us and % of the recording's device time (without the work
+    launched before it began), longest total first.
 
     Copies and fills (gpu_memcpy, gpu_memset) are included since they occupy the device too; the
     `category` column tells them apart. Empty on a CPU trace.

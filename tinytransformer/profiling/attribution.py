@@ -4,13 +4,17 @@ How a kernel is charged to the code that caused it. The device event and the hos
 carry the same args["correlation"]. The launch call sits inside the operator that issued it, on the same
 thread, so nesting in time gives its chain of enclosing operators and record_function ranges. When the
 launch is missing from the trace, args["External id"] (the same number as the issuing cpu_op's) is used;
-a kernel linked to nothing keeps its own start time and is charged to no operator.
+a kernel of the recording linked to nothing keeps its own start time and is charged to no operator.
 
 Work launched before the recording began is left out. The host runs ahead of the GPU: when the profiler starts
 recording, the GPU may still be running what the host launched a step earlier (for a graph-captured step, a
-whole replay). Its launches are not in the trace; its correlation numbers, which count launches in order, are
-below the first recorded launch's. Such events are no part of the profiled steps, so they are set aside
-(TraceAnalysis.before_recording) instead of being charged to the first step's time and phases.
+whole replay). Its launches are not in the trace, and its correlation numbers, which the runtime hands out in
+increasing order to its API calls (launches among them), are below the first recorded launch's. Such events, when
+no recorded operator's External id claims them either, are no part of the profiled steps: they are set aside
+(TraceAnalysis.before_recording) instead of being charged to the first step's time and phases, and the phase
+table's title says how many. This reads one process's trace, as the rest of this module does (correlation
+numbers count per process), and it relies on the launch calls being recorded (torch.profiler records the
+runtime's and the driver's, Triton's launches included); a trace without any launch call keeps every event.
 
 Steps and phases are decided by when the work was ISSUED (the GPU runs it later): a kernel belongs to the
 "ProfilerStep#N" range and to the model part (profiling/ranges.py) around its launch. The kernels of a CUDA/HIP
@@ -130,18 +134,20 @@ class TraceAnalysis:
 
     def _split_work_launched_before_recording(self, device: list[Event]) -> tuple[list[Event], list[Event]]:
         """(device events of the recording, device events launched before it began): see the module docstring.
-        A trace without launch calls (a CPU trace, or one recorded without the host side) keeps every event."""
+        A trace without launch calls (a CPU trace, or one recorded without the host side) keeps every event, and
+        so does an event without a correlation number (0 or none: its origin is unknown)."""
         recorded = [ev.args["correlation"] for ev in self.host
                     if ev.kind == "launch" and isinstance(ev.args.get("correlation"), int)]
         if not recorded:
             return device, []
         first = min(recorded)
-        known = set(recorded) | {ev.args.get("External id") for ev in self.host if "External id" in ev.args}
+        # Operators' External ids are numbered apart from correlations: each is compared with its own kind only.
+        operator_ids = {ev.args["External id"] for ev in self.host if "External id" in ev.args}
 
         def launched_before(dev: Event) -> bool:
             correlation = dev.args.get("correlation")
-            return (isinstance(correlation, int) and correlation < first and correlation not in known
-                    and dev.args.get("External id") not in known)
+            return (isinstance(correlation, int) and 0 < correlation < first
+                    and dev.args.get("External id") not in operator_ids)
         return ([dev for dev in device if not launched_before(dev)],
                 [dev for dev in device if launched_before(dev)])
 

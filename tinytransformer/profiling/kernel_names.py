@@ -74,7 +74,7 @@ GRAPH_LAUNCH = re.compile(r"graphlaunch", re.IGNORECASE)
 # _flash_attention_backward_dkdv_kernel; _scale_pair_kernel, the first kernel of version 4's backward pass,
 # which scales the gradients its fused loss computed in the forward pass), PyTorch's (..._backward_kernel,
 # flash_bwd, fmha_cutlassB).
-BACKWARD = re.compile(r"backward|bwd|dkdv|fmha_cutlassb|_scale_pair", re.IGNORECASE)
+BACKWARD = re.compile(r"backward|bwd|bprop|dkdv|fmha_cutlassb|_scale_pair|dot_do_o|convert_dq", re.IGNORECASE)
 # Optimizer kernels by name: torch's fused AdamW (FusedAdamMathFunctor), version 4's _adamw_kernel. (Not every
 # multi-tensor kernel: version 4's 16-bit weight copies are one too, in the forward pass.)
 OPTIMIZER = re.compile(r"adam|sgd|lamb", re.IGNORECASE)

@@ -212,6 +212,12 @@ def with_work_launched_before_the_recording(flavour: str, external_id=None, corr
     return trace
 
 
+def add_operator(trace: dict, external_id: int) -> None:
+    """A recorded host operator (aten::add) carrying this External id, early in the trace."""
+    trace["traceEvents"].append({"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 2, "dur": 1,
+                                 "pid": HOST_PID, "tid": MAIN, "args": {"External id": external_id}})
+
+
 @pytest.mark.parametrize("flavour", ["cuda", "rocm"])
 def test_work_launched_before_the_recording_is_left_out(flavour):
     """The host runs ahead of the GPU: the replay it launched a step before the recording began still runs when
@@ -220,24 +226,22 @@ def test_work_launched_before_the_recording_is_left_out(flavour):
     trace = with_work_launched_before_the_recording(flavour)
     # An operator whose External id happens to equal that correlation number changes nothing: the two count
     # different things.
-    trace["traceEvents"].append({"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 2, "dur": 1,
-                                 "pid": HOST_PID, "tid": MAIN, "args": {"External id": 40}})
+    add_operator(trace, external_id=40)
     phases = phase_split(trace)
     assert phases["us"] == phase_split(replayed_step_trace(flavour))["us"]
     assert "left out: 3 events (0.0 ms) launched before the recording began" in phases["label"]
     assert kernels_per_step(trace) == kernels_per_step(replayed_step_trace(flavour))
 
 
-@pytest.mark.parametrize("claimed_by", ["an operator's External id", "no correlation number"])
-def test_work_without_proof_of_an_earlier_launch_is_kept(claimed_by):
+@pytest.mark.parametrize("external_id, correlation", [(7, 40), (None, 0)],
+                         ids=["an operator's External id", "no correlation number"])
+def test_work_without_proof_of_an_earlier_launch_is_kept(external_id, correlation):
     """Kept as before (charged by its own start time, here "other"): an event a recorded operator's External id
     claims, whatever its correlation number (External ids are numbered apart from correlations), and one whose
     correlation number is 0."""
-    trace = (with_work_launched_before_the_recording("cuda", external_id=7) if claimed_by.startswith("an")
-             else with_work_launched_before_the_recording("cuda", correlation=0))
-    if claimed_by.startswith("an"):
-        trace["traceEvents"].append({"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 2, "dur": 1,
-                                     "pid": HOST_PID, "tid": MAIN, "args": {"External id": 7}})
+    trace = with_work_launched_before_the_recording("cuda", external_id=external_id, correlation=correlation)
+    if external_id is not None:
+        add_operator(trace, external_id)
     phases = phase_split(trace)
     assert "left out" not in phases["label"] and phases["us"]["other"] > 0
 

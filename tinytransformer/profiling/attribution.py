@@ -144,12 +144,13 @@ class TraceAnalysis:
         # Operators' External ids are numbered apart from correlations: each is compared with its own kind only.
         operator_ids = {ev.args["External id"] for ev in self.host if "External id" in ev.args}
 
-        def launched_before(dev: Event) -> bool:
+        recording, before = [], []
+        for dev in device:
             correlation = dev.args.get("correlation")
-            return (isinstance(correlation, int) and 0 < correlation < first
-                    and dev.args.get("External id") not in operator_ids)
-        return ([dev for dev in device if not launched_before(dev)],
-                [dev for dev in device if launched_before(dev)])
+            launched_before = (isinstance(correlation, int) and 0 < correlation < first
+                               and dev.args.get("External id") not in operator_ids)
+            (before if launched_before else recording).append(dev)
+        return recording, before
 
     def _link_device_events(self):
         launches = {}

@@ -298,6 +298,56 @@ def test_hopper_pipelines_only_16_bit_heads_of_64_and_128(kernel, known_gpu):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The run header's "attn tiles" line (launch_summary): what the launches take, in words
+# ----------------------------------------------------------------------------------------------------------
+def test_the_tiles_line_names_each_kernels_launch_and_its_rule(known_gpu):
+    """Each kernel's tiles, warps and stages in launch order, the rule that chose them, and whether the sequence
+    fills every block: Hopper's pipelined tiles at the medium preset's shape (one forward stage with RoPE on
+    load), version 3's smaller tiles for AMD's LDS at head dim 128 with a partial last block."""
+    meta = torch.device("meta")
+    known_gpu(triton_support.KNOWN_GPUS["sm_90"])
+    assert fa.launch_summary(64, torch.bfloat16, 512, meta) == (
+        "forward 64x64, 4 warps, 3 stages; dq 64x64, 4 warps, 2 stages; dk/dv 64x64, 4 warps, 1 stage "
+        "(Hopper-class tiles from tune_attention_tiles.py; no row masks)")
+    assert fa.launch_summary(64, torch.bfloat16, 512, meta, rope_on_load=True).startswith(
+        "forward 64x64, 4 warps, 1 stage; dq 64x64, 4 warps, 2 stages;")
+    known_gpu(triton_support.KNOWN_GPUS["gfx942"])
+    assert fa.launch_summary(128, torch.bfloat16, 100, meta) == (
+        "forward 64x32, 4 warps, 1 stage; dq 32x32, 4 warps, 1 stage; dk/dv 32x32, 4 warps, 1 stage "
+        "(the portable rule; row masks on the last block)")
+
+
+@pytest.mark.parametrize("rope_on_load", [False, True], ids=["packed", "rope-on-load"])
+def test_the_tiles_line_describes_the_launches_a_pass_makes(rope_on_load, device, monkeypatch):
+    """The configurations launch_summary reports are those a forward and backward pass launch at the same shape,
+    RoPE on load or not (on a GPU, the Hopper rule gives the forward other stages with it)."""
+    launched, reported = {}, {}
+    choose = fa._launch_config
+
+    def recording(into):
+        def launch_config(head_dim, dtype, seq_len, kernel, *rest, **options):
+            into[kernel] = choose(head_dim, dtype, seq_len, kernel, *rest, **options)
+            return into[kernel]
+        return launch_config
+
+    torch.manual_seed(0)
+    batch, heads, seq_len, head_dim = 1, 2, 64, 64
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16   # the interpreter refuses bfloat16
+    monkeypatch.setattr(fa, "_launch_config", recording(launched))
+    if rope_on_load:
+        q, k, v = (torch.randn(batch, heads, seq_len, head_dim, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        out = fa.flash_attention(q, k, v, rope=rope_tables(seq_len, head_dim, device=device))
+    else:
+        qkv = torch.randn(batch, seq_len, 3 * heads * head_dim, device=device, dtype=dtype, requires_grad=True)
+        out = fa.flash_attention_packed(qkv, heads)
+    out.float().sum().backward()
+    monkeypatch.setattr(fa, "_launch_config", recording(reported))
+    fa.launch_summary(head_dim, dtype, seq_len, device, rope_on_load=rope_on_load)
+    assert set(launched) == {"forward", "dq", "dkdv"} and reported == launched
+
+
+# ----------------------------------------------------------------------------------------------------------
 # tune_attention_tiles.py: its float64 check must pass the kernels as they are and catch a wrong answer
 # ----------------------------------------------------------------------------------------------------------
 def test_the_tile_tuners_check_passes_the_kernels_and_catches_a_wrong_answer(device, small_interpreter_blocks):

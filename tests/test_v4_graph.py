@@ -4,6 +4,8 @@ import json
 import pytest
 import torch
 
+from tinytransformer import triton_support
+from version4_triton_ultra.fused_layers import VENDOR_ATTENTION_FROM_HEAD_DIM
 from version4_triton_ultra.tiny_llama_v4 import main as v4_main
 
 from .v4_training import train_frozen_embedding
@@ -294,7 +296,7 @@ def v4_args(**overrides):
     from types import SimpleNamespace
     args = dict(device="auto", cuda_graph=True, weight_grad_stream=True, rope_in_attention=False, separate_swiglu=False,
                 separate_rope=False, torch_adamw=False, tf32=True, use_amp=None, deepspeed=None, deepspeed_config=None,
-                equal_stream_priority=False, vendor_attention=False)
+                equal_stream_priority=False, vendor_attention=False, preset=None, config=None)
     return SimpleNamespace(**{**args, **overrides})
 
 
@@ -337,6 +339,28 @@ def test_header_names_the_weight_gradients_dtype_the_optimizer_reads(monkeypatch
         assert v4.sixteen_bit_weight_gradients_of_args(v4_args(**amp, **torch_optimizer)) is False
     monkeypatch.setattr(v4.distributed, "launched_by_torchrun", lambda: True)
     assert v4.sixteen_bit_weight_gradients_of_args(v4_args(**amp)) is False
+
+
+def test_header_names_the_attention_tiles_where_version_4s_attention_runs(monkeypatch, known_gpu):
+    """On an H100 the medium preset in bfloat16 takes version 4's attention (head dim 64), and the header's "attn
+    tiles" line gives its launches at the preset's 512 tokens; where cuDNN's attention runs (--cudnn-attention,
+    or by the rule at the large preset's head dim 128) and on the CPU, there is no such line."""
+    from version4_triton_ultra import tiny_llama_v4 as v4
+    known_gpu(triton_support.KNOWN_GPUS["sm_90"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(v4, "interpreter_active", lambda: False)
+    # The H100's rule (fused_layers.vendor_attention_pays) without the probe of cuDNN that needs the GPU itself.
+    monkeypatch.setattr(v4, "uses_vendor_attention",
+                        lambda chosen, rope_form, device, dtype, head_dim: (head_dim >= VENDOR_ATTENTION_FROM_HEAD_DIM
+                                                                          if chosen is None else chosen))
+    medium = dict(preset="medium", use_amp=True, amp_dtype="bfloat16", vendor_attention=None)
+    info = v4.describe(v4_args(**medium))
+    assert info["attention"].startswith("version 4's Triton flash attention")
+    assert info["attn tiles"] == ("forward 64x64, 4 warps, 3 stages; dq 64x64, 4 warps, 2 stages; dk/dv 64x64, "
+                                  "4 warps, 1 stage (Hopper-class tiles from tune_attention_tiles.py; no row masks)")
+    assert "attn tiles" not in v4.describe(v4_args(**{**medium, "vendor_attention": True}))
+    assert "attn tiles" not in v4.describe(v4_args(**{**medium, "preset": "large"}))
+    assert "attn tiles" not in v4.describe(v4_args(**{**medium, "device": "cpu"}))
 
 
 @pytest.mark.parametrize("flags", [[], ["--use-amp", "--amp-dtype", "bfloat16"], ["--torch-adamw"], ["--deepspeed"],

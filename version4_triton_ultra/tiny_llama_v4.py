@@ -696,6 +696,9 @@ def describe_rope(args) -> str:
     return ROPE_DESCRIPTIONS[form] + (" (the faster form at this size)" if chosen_by_size else "")
 
 
+OUR_ATTENTION = "version 4's Triton flash attention"
+
+
 def describe_attention(args, on_gpu: bool) -> str:
     """Which attention this run's layers take (the header's attention line)."""
     chosen = getattr(args, "vendor_attention", None)
@@ -707,8 +710,16 @@ def describe_attention(args, on_gpu: bool) -> str:
     else:
         vendor = bool(chosen) and not ours_only
     text = ("cuDNN's fused attention (scaled_dot_product_attention), RoPE's backward a kernel of its own" if vendor
-            else "version 4's Triton flash attention")
+            else OUR_ATTENTION)
     return text + (" (the faster one here)" if by_rule else "")
+
+
+def describe_attention_tiles(args) -> str:
+    """The launches version 4's attention kernels take at this run's shape on this GPU (the header's "attn tiles"
+    line, printed where the layers take version 4's attention)."""
+    config, train = resolve_configs(args)
+    return attention_kernels.launch_summary(config.head_dim, gemm_dtype_of(train), train.seq_len,
+                                            torch.device("cuda"), rope_on_load=bool(args.rope_in_attention))
 
 
 def runs_under_deepspeed(args) -> bool:
@@ -758,8 +769,11 @@ def describe(args) -> dict:
     # On the CPU, PyTorch's matmuls and the interpreter's tl.dot (NumPy) both compute in IEEE float32.
     matmuls = describe_float32_matmuls(
         args, on_gpu, on_cpu="exact float32 in PyTorch and Triton's CPU interpreter (TF32, --tf32, is for NVIDIA GPUs)")
-    info = {"step": step, "matmuls": matmuls, "RoPE": rope, "attention": describe_attention(args, on_gpu),
-            "SwiGLU": swiglu, "optimizer": optimizer}
+    attention = describe_attention(args, on_gpu)
+    info = {"step": step, "matmuls": matmuls, "RoPE": rope, "attention": attention}
+    if on_gpu and attention.startswith(OUR_ATTENTION):
+        info["attn tiles"] = describe_attention_tiles(args)
+    info.update({"SwiGLU": swiglu, "optimizer": optimizer})
     workspace = describe_cublas_workspace(on_gpu)
     if workspace:
         info["cuBLAS workspace"] = workspace

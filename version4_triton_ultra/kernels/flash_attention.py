@@ -615,6 +615,31 @@ def _hopper_launch_config(head_dim: int, kernel: str, rope_on_load: bool) -> dic
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=stages)
 
 
+LAUNCH_NAMES = {"forward": "forward", "dq": "dq", "dkdv": "dk/dv"}   # in the order a step launches them
+
+
+def launch_summary(head_dim: int, dtype: torch.dtype, seq_len: int, device: torch.device | None = None,
+                   rope_on_load: bool = False) -> str:
+    """The launches _launch_config chooses at this shape, in words: version 4's run header prints them, so a
+    run says which tiles its attention takes (the rule depends on the GPU, the dtype and the head dim) without
+    a profiler. Arguments as _launch_config's; `rope_on_load` concerns the forward only, as in _run_forward."""
+    if interpreter_active():
+        rule = "Triton's CPU interpreter"
+    elif _hopper_tiles_apply(head_dim, dtype, device):
+        rule = "Hopper-class tiles from tune_attention_tiles.py"
+    else:
+        rule = "the portable rule"
+    launches, every_block_whole = [], True
+    for kernel, name in LAUNCH_NAMES.items():
+        config = _launch_config(head_dim, dtype, seq_len, kernel, device, rope_on_load and kernel == "forward")
+        stages = config["num_stages"]
+        launches.append(f"{name} {config['BLOCK_M']}x{config['BLOCK_N']}, {config['num_warps']} warps, "
+                        f"{stages} stage{'s' if stages > 1 else ''}")
+        every_block_whole = every_block_whole and _whole_blocks(seq_len, config)
+    masks = "no row masks" if every_block_whole else "row masks on the last block"
+    return "; ".join(launches) + f" ({rule}; {masks})"
+
+
 def _dot_precision(dtype: torch.dtype, precise_fp32: bool) -> str:
     """tl.dot's input_precision. Only float32 inputs care: NVIDIA then uses tf32 tensor cores by default
     (10-bit mantissa, fast); "ieee" is exact float32. AMD accepts "tf32" only on some chips, so use "ieee"."""

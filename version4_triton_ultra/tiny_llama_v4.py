@@ -696,11 +696,8 @@ def describe_rope(args) -> str:
     return ROPE_DESCRIPTIONS[form] + (" (the faster form at this size)" if chosen_by_size else "")
 
 
-OUR_ATTENTION = "version 4's Triton flash attention"
-
-
-def describe_attention(args, on_gpu: bool) -> str:
-    """Which attention this run's layers take (the header's attention line)."""
+def attention_of_args(args, on_gpu: bool) -> tuple[bool, bool]:
+    """(whether this run's layers take cuDNN's attention, whether the rule chose it rather than a flag)."""
     chosen = getattr(args, "vendor_attention", None)
     ours_only = not on_gpu or getattr(args, "rope_in_attention", False)   # cuDNN's needs a GPU and RoPE before it
     by_rule = chosen is None and not ours_only
@@ -709,8 +706,13 @@ def describe_attention(args, on_gpu: bool) -> str:
         vendor = uses_vendor_attention(None, "gemm", torch.device("cuda"), gemm_dtype_of(train), config.head_dim)
     else:
         vendor = bool(chosen) and not ours_only
+    return vendor, by_rule
+
+
+def describe_attention(vendor: bool, by_rule: bool) -> str:
+    """Which attention this run's layers take (the header's attention line), from attention_of_args."""
     text = ("cuDNN's fused attention (scaled_dot_product_attention), RoPE's backward a kernel of its own" if vendor
-            else OUR_ATTENTION)
+            else "version 4's Triton flash attention")
     return text + (" (the faster one here)" if by_rule else "")
 
 
@@ -769,9 +771,10 @@ def describe(args) -> dict:
     # On the CPU, PyTorch's matmuls and the interpreter's tl.dot (NumPy) both compute in IEEE float32.
     matmuls = describe_float32_matmuls(
         args, on_gpu, on_cpu="exact float32 in PyTorch and Triton's CPU interpreter (TF32, --tf32, is for NVIDIA GPUs)")
-    attention = describe_attention(args, on_gpu)
-    info = {"step": step, "matmuls": matmuls, "RoPE": rope, "attention": attention}
-    if on_gpu and attention.startswith(OUR_ATTENTION):
+    vendor_attention, attention_by_rule = attention_of_args(args, on_gpu)
+    info = {"step": step, "matmuls": matmuls, "RoPE": rope,
+            "attention": describe_attention(vendor_attention, attention_by_rule)}
+    if on_gpu and not vendor_attention:
         info["attn tiles"] = describe_attention_tiles(args)
     info.update({"SwiGLU": swiglu, "optimizer": optimizer})
     workspace = describe_cublas_workspace(on_gpu)

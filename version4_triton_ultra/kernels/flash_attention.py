@@ -528,7 +528,8 @@ def _launch_config(head_dim: int, dtype: torch.dtype, seq_len: int, kernel: str,
     and 128 (the size presets' shapes) get the pipelined tiles that tune_attention_tiles.py found fastest there
     (_hopper_launch_config).
     """
-    if interpreter_active():
+    rule = _launch_rule(head_dim, dtype, device)
+    if rule == "interpreter":
         if small_interpreter_blocks():
             # Kernel tests: the smallest blocks (16 is the smallest size tl.dot accepts), query and key blocks of
             # different sizes as on a GPU, so that small test problems cover the loops and the loop bounds
@@ -538,9 +539,17 @@ def _launch_config(head_dim: int, dtype: torch.dtype, seq_len: int, kernel: str,
         # of queries and one of keys cover a sequence of up to 128 (fewer programs, one pass of each loop).
         block = interpreter_block(seq_len, 16, 128)
         return dict(BLOCK_M=block, BLOCK_N=block, num_warps=1, num_stages=1)
-    if _hopper_tiles_apply(head_dim, dtype, device):
+    if rule == "hopper":
         return _hopper_launch_config(head_dim, kernel, rope_on_load)
     return _portable_launch_config(head_dim, dtype, kernel)
+
+
+def _launch_rule(head_dim: int, dtype: torch.dtype, device: torch.device | None) -> str:
+    """Which of _launch_config's rules applies: "interpreter" (Triton's CPU interpreter), "hopper" (the pipelined
+    tiles, _hopper_tiles_apply) or "portable" (version 3's, every other GPU)."""
+    if interpreter_active():
+        return "interpreter"
+    return "hopper" if _hopper_tiles_apply(head_dim, dtype, device) else "portable"
 
 
 def _whole_blocks(seq_len: int, config: dict) -> bool:
@@ -616,6 +625,8 @@ def _hopper_launch_config(head_dim: int, kernel: str, rope_on_load: bool) -> dic
 
 
 LAUNCH_NAMES = {"forward": "forward", "dq": "dq", "dkdv": "dk/dv"}   # in the order a step launches them
+RULE_NAMES = {"interpreter": "Triton's CPU interpreter", "hopper": "Hopper-class tiles from tune_attention_tiles.py",
+              "portable": "the portable rule"}
 
 
 def launch_summary(head_dim: int, dtype: torch.dtype, seq_len: int, device: torch.device | None = None,
@@ -623,12 +634,7 @@ def launch_summary(head_dim: int, dtype: torch.dtype, seq_len: int, device: torc
     """The launches _launch_config chooses at this shape, in words: version 4's run header prints them, so a
     run says which tiles its attention takes (the rule depends on the GPU, the dtype and the head dim) without
     a profiler. Arguments as _launch_config's; `rope_on_load` concerns the forward only, as in _run_forward."""
-    if interpreter_active():
-        rule = "Triton's CPU interpreter"
-    elif _hopper_tiles_apply(head_dim, dtype, device):
-        rule = "Hopper-class tiles from tune_attention_tiles.py"
-    else:
-        rule = "the portable rule"
+    rule = RULE_NAMES[_launch_rule(head_dim, dtype, device)]
     launches, every_block_whole = [], True
     for kernel, name in LAUNCH_NAMES.items():
         config = _launch_config(head_dim, dtype, seq_len, kernel, device, rope_on_load and kernel == "forward")

@@ -276,9 +276,9 @@ def test_16bit_weight_gradients_are_autograds_rounded(backward_passes):
     want, _ = gradients_after_backward(config, inputs, targets, True, stream=False, backward_passes=backward_passes)
     got, held = gradients_after_backward(config, inputs, targets, True, stream=True,
                                          backward_passes=backward_passes, sixteen_bit=True)
-    # Every projection's but the output head's (the loss computes that one): 4 in each of the 2 layers; a second
-    # pass widens them into float32 .grad.
-    assert held == [8, 0][:backward_passes]
+    # Every projection's, 4 in each of the 2 layers, and the output head's (which the fused loss sums in bfloat16);
+    # a second pass widens them into float32 .grad.
+    assert held == [9, 0][:backward_passes]
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=2 ** -7, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
@@ -331,7 +331,9 @@ def test_header_names_the_weight_gradients_dtype_the_optimizer_reads(monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(v4, "interpreter_active", lambda: False)
     amp = dict(use_amp=True, amp_dtype="bfloat16")
-    assert v4.describe(v4_args(**amp))["optimizer"].endswith("reading 16-bit weight gradients")
+    assert v4.describe(v4_args(**amp))["optimizer"].endswith("reading 16-bit weight gradients, the output head's too")
+    head = v4.describe(v4_args(**amp, sixteen_bit_head_grad=False))["optimizer"]
+    assert head.endswith("reading 16-bit weight gradients (the output head's float32)"), head
     assert v4.describe(v4_args(**amp, sixteen_bit_weight_grads=False))["optimizer"].endswith("float32 weight gradients")
     assert v4.describe(v4_args(**amp, weight_grad_stream=False))["optimizer"].endswith("weight copies")
     for torch_optimizer in (dict(torch_adamw=True), dict(deepspeed=True), dict(deepspeed_config="ds.json")):

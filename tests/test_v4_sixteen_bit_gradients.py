@@ -1,12 +1,16 @@
-"""Version 4's 16-bit weight gradients: TritonAdamW reading them (kernels/adamw.py), on the CPU in Triton's
-interpreter, and the graph-captured step that writes them on its second stream (backward_overlap.py), on the GPU.
-How they compare with autograd's float32 gradients, one backward pass at a time: tests/test_v4_graph.py."""
+"""Version 4's 16-bit weight gradients: TritonAdamW reading them (kernels/adamw.py) and the fused loss summing the
+output head's in bfloat16 (kernels/linear_cross_entropy.py), on the CPU in Triton's interpreter; the
+graph-captured step that writes them on its second stream (backward_overlap.py), on the GPU. How they compare
+with autograd's float32 gradients, one backward pass at a time: tests/test_v4_graph.py."""
 import pytest
 import torch
 
+from version4_triton_ultra.kernels import linear_cross_entropy as lce
 from version4_triton_ultra.kernels.adamw import TritonAdamW
 
 from .test_v4_adamw import HYPER, assert_same_training, clone_params, fresh_gradients, make_params
+from .test_v4_linear_cross_entropy import make_head_inputs, reference_head
+from .v4_kernel_checks import assert_matches, relative_error
 from .v4_training import train_frozen_embedding
 
 # The kernels' smallest blocks in Triton's interpreter (the fixture in conftest.py), as in test_v4_adamw.py.
@@ -80,11 +84,65 @@ def test_refuses_two_gradients_or_mixed_16bit_gradients(device):
         TritonAdamW([p], sixteen_bit_gradients=wrong_shape).step()
 
 
+def head_gradients(device, gradients16, backward_passes=1, backward_once=True, autocast_dtype=torch.bfloat16,
+                   chunk_size=8):
+    """(hidden, weight, targets) after backward_passes losses of the fused head (29 rows in chunks of chunk_size)
+    under CPU/GPU autocast to autocast_dtype (None: float32, no autocast), each differentiated once, handing the
+    weight's gradient to the dict gradients16."""
+    hidden, weight, targets = make_head_inputs(29, 24, 70, torch.float32, device, seed=171)
+    for _ in range(backward_passes):
+        with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size,
+                                            backward_once=backward_once, sixteen_bit_gradients=gradients16)
+        loss.backward()
+    return hidden, weight, targets
+
+
+@pytest.mark.parametrize("chunk_size", [8, None], ids=["4 chunks", "one chunk"])
+def test_head_gradient_summed_in_bfloat16_goes_to_the_dict(chunk_size, device):
+    """Under bfloat16 autocast with the dict, the head's gradient is summed over the chunks in bfloat16 and handed to
+    the dict, not to .grad; it is the float32 sum's within bfloat16's rounding (one rounding a chunk), and float64's
+    within bfloat16's tolerance. hidden's gradient is the same either way."""
+    gradients16 = {}
+    hidden, weight, targets = head_gradients(device, gradients16, chunk_size=chunk_size)
+    assert weight.grad is None and list(gradients16) == [weight]
+    assert gradients16[weight].dtype == torch.bfloat16
+    float32_hidden, float32_weight, _ = head_gradients(device, None, chunk_size=chunk_size)
+    assert relative_error(gradients16[weight], float32_weight.grad) < 2 ** -7
+    assert torch.equal(hidden.grad, float32_hidden.grad)
+    _, ref_grad_hidden, ref_grad_weight = reference_head(hidden, weight, targets)
+    assert_matches(gradients16[weight], ref_grad_weight, torch.bfloat16, "grad weight")
+    assert_matches(hidden.grad, ref_grad_hidden, torch.bfloat16, "grad hidden")
+
+
+def test_a_second_backward_pass_adds_the_heads_gradients_in_float32(device):
+    """The first pass leaves a bfloat16 gradient in the dict; the second, finding it, sums its own in float32 and
+    the first one widened into .grad (as the weight-gradient stream does): twice one pass's gradient."""
+    gradients16 = {}
+    _, weight, _ = head_gradients(device, gradients16, backward_passes=2)
+    assert gradients16 == {} and weight.grad.dtype == torch.float32
+    _, once, _ = head_gradients(device, None)
+    assert relative_error(weight.grad, 2 * once.grad) < 2 ** -7
+
+
+@pytest.mark.parametrize("case", ["float32", "float16", "scaled copies"])
+def test_head_gradient_stays_float32_where_it_is_not_summed_in_bfloat16(case, device):
+    """Only a bfloat16 step that differentiates its loss once sums the head's gradient in bfloat16: in float32 there
+    is nothing to gain, float16's is divided by n_valid in the backward pass (a second rounding), and a graph kept
+    for a second backward needs the float32 sum it scales copies of. There the dict stays empty."""
+    if case == "float16" and device.type == "cpu":
+        pytest.skip("CPU autocast takes bfloat16 only")
+    gradients16 = {}
+    dtype = {"float32": None, "float16": torch.float16}.get(case, torch.bfloat16)
+    _, weight, _ = head_gradients(device, gradients16, backward_once=case != "scaled copies", autocast_dtype=dtype)
+    assert gradients16 == {} and weight.grad.dtype == torch.float32
+
+
 @pytest.mark.gpu
 def test_graphed_step_with_16bit_weight_gradients_trains_like_the_eager_step():
-    """The graph's default under autocast: the projections' weight gradients in bfloat16 (the eager step's float32
-    ones rounded; the 16-bit GEMM may also sum in another order), read by TritonAdamW as they are. Adam's update is
-    normalised: where a gradient is nearly zero, its sign may differ between the two GEMMs and that weight then
+    """The graph's default under autocast: the projections' and the head's weight gradients in bfloat16 (the eager
+    step's float32 ones rounded; the 16-bit GEMM may also sum in another order), read by TritonAdamW as they are.
+    Adam's update is normalised: where a gradient is nearly zero, its sign may differ between the two GEMMs and that weight then
     moves by up to the learning rate the other way (a few elements in ten thousand). So each weight's difference
     from the eager run is measured against how far the eager run moved it: a few percent at most, where a gradient
     lost or misread would make it as large as the move itself."""
@@ -92,8 +150,9 @@ def test_graphed_step_with_16bit_weight_gradients_trains_like_the_eager_step():
     runs = {graphed: train_frozen_embedding(graphed, num_layers=5, amp_dtype="bfloat16") for graphed in (True, False)}
     graphed = runs[True]
     assert graphed.step.sixteen_bit_weight_gradients
-    projections = [p for k in range(5) for p in graphed.model.layer_projection_parameters(k)
-                   if p is not graphed.model.lm_head.weight]
+    # Every projection's, the output head's included (the fused loss sums it in bfloat16).
+    projections = [p for k in range(5) for p in graphed.model.layer_projection_parameters(k)]
+    assert any(p is graphed.model.lm_head.weight for p in projections)
     gradients16 = graphed.model.sixteen_bit_gradients
     assert set(map(id, gradients16)) == set(map(id, projections))   # written by the last replay, in bfloat16
     assert all(g.dtype == torch.bfloat16 for g in gradients16.values())

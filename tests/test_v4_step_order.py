@@ -167,7 +167,7 @@ def one_step(monkeypatch, layers, data_parallel, second_stream, triton_adamw, fr
         if id(weight) in updated:
             problems.append(f"gradient of {names[id(weight)]} written after its update")
 
-    def use_stream(enabled=True, sixteen_bit_gradients=False):   # the stand-in writes float32 .grad only
+    def use_stream(enabled=True, sixteen_bit_gradients=False, sixteen_bit_head_gradient=True):   # float32 .grad only
         model.weight_grad_stream = StreamStandIn(gemm_writes) if enabled else None
         for projection in model.projections:
             if projection is not model.lm_head:

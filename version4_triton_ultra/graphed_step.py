@@ -54,6 +54,13 @@ def writes_sixteen_bit_weight_gradients(requested: bool, on_second_stream: bool,
     return requested and on_second_stream and not summed_across_ranks and optimizer_reads_them
 
 
+def tracks_embedding_rows(requested: bool, summed_across_ranks: bool) -> bool:
+    """The graph-captured step's rule for the embedding's gradient (table_gradient.py): kept from step to
+    step and zeroed and read by the rows the batch touches, unless --whole-embedding-grad says otherwise or the
+    ranks sum it (under data parallel the gradient comes from the ranks' rows or an all-reduce of the table)."""
+    return requested and not summed_across_ranks
+
+
 def uses_graph(args, device) -> bool:
     """The same rule as version 2's --cuda-graph: on a GPU, unless float16 AMP's GradScaler makes host-side
     decisions every step, which a replayed graph cannot."""
@@ -71,9 +78,12 @@ class GraphedStep(GraphReplayedStep):
     streams: the projections' weight-gradient GEMMs run beside the rest of the backward pass (this switches the
     model's WeightGradientStream on or off); with `sixteen_bit_weight_gradients` (the default) that stream writes
     them, under autocast, in the GEMMs' 16-bit dtype, for TritonAdamW to read as they are (not under data
-    parallel, whose all-reduces sum float32 gradients). With `main_stream_first` (the default) the main stream's
-    kernels are captured at a higher priority than the second stream's (CAPTURE_PRIORITY): where both have kernels
-    waiting for an SM, the block scheduler starts the main stream's, the critical path, first.
+    parallel, whose all-reduces sum float32 gradients), and under bfloat16 the fused loss sums the output head's in
+    bfloat16 beside them (unless `sixteen_bit_head_gradient` is False). With `embedding_gradient_rows` (the
+    default, not under data parallel) the embedding's gradient is zeroed and read by the rows the batch touches
+    (table_gradient.py). With `main_stream_first` (the default) the
+    main stream's kernels are captured at a higher priority than the second stream's (CAPTURE_PRIORITY): where both
+    have kernels waiting for an SM, the block scheduler starts the main stream's, the critical path, first.
 
     The optimizer runs mostly inside the backward pass. TritonAdamW gets one parameter group per layer from the
     last down to layer 0 (the output head with the last), then the rest (the norms, then the embedding in a group of
@@ -114,7 +124,8 @@ class GraphedStep(GraphReplayedStep):
 
     def __init__(self, model, optimizer, device, train, warmup_steps: int = 3, weight_gradient_stream=True,
                  gradient_sync=None, embedding_grad_sync: str = "auto", main_stream_first: bool = True,
-                 sixteen_bit_weight_gradients: bool = True):
+                 sixteen_bit_weight_gradients: bool = True, sixteen_bit_head_gradient: bool = True,
+                 embedding_gradient_rows: bool = True):
         super().__init__(model, optimizer, device, train, warmup_steps)
         self.main_stream_first = main_stream_first
         if embedding_grad_sync not in EMBEDDING_GRAD_SYNC:
@@ -126,7 +137,9 @@ class GraphedStep(GraphReplayedStep):
             sixteen_bit_weight_gradients, weight_gradient_stream, summed_across_ranks=gradient_sync is not None,
             optimizer_reads_them=reads_them)
         model.use_weight_gradient_stream(weight_gradient_stream,
-                                         sixteen_bit_gradients=self.sixteen_bit_weight_gradients)
+                                         sixteen_bit_gradients=self.sixteen_bit_weight_gradients,
+                                         sixteen_bit_head_gradient=sixteen_bit_head_gradient)
+        model.track_embedding_gradient_rows(tracks_embedding_rows(embedding_gradient_rows, gradient_sync is not None))
         # Layer k -> the index of the optimizer group holding its weights (TritonAdamW from configure_optimizer).
         # Updating during the backward pass needs the second stream, where a layer's weight gradients are known
         # to be queued when the backward pass leaves the layer (autograd accumulates its own when it sees fit).
@@ -352,5 +365,7 @@ def make_step(model, optimizer, device, train, args, gradient_sync=None):
                            weight_gradient_stream=args.weight_grad_stream, gradient_sync=gradient_sync,
                            embedding_grad_sync=args.embedding_grad_sync,
                            main_stream_first=not args.equal_stream_priority,
-                           sixteen_bit_weight_gradients=args.sixteen_bit_weight_grads)
+                           sixteen_bit_weight_gradients=args.sixteen_bit_weight_grads,
+                           sixteen_bit_head_gradient=getattr(args, "sixteen_bit_head_grad", True),
+                           embedding_gradient_rows=getattr(args, "embedding_grad_rows", True))
     return EagerStep(model, optimizer, device, train)

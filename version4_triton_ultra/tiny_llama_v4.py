@@ -103,6 +103,7 @@ from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm, embedding_rm
 from version4_triton_ultra.kernels.flash_attention import flash_attention_packed  # noqa: E402
 from version4_triton_ultra.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from version4_triton_ultra.kernels.programmatic_launch import set_programmatic_launch  # noqa: E402
+from version4_triton_ultra.table_gradient import RowTrackedGradient  # noqa: E402
 
 
 class Projection(nn.Linear):
@@ -264,6 +265,13 @@ class TinyLlama(nn.Module):
         # {weight: its 16-bit gradient}, which the weight-gradient stream writes instead of weight.grad when asked
         # to (use_weight_gradient_stream) and TritonAdamW reads.
         self.sixteen_bit_gradients = {}
+        # Whether the fused loss puts the output head's gradient there too, in bfloat16 (use_weight_gradient_stream).
+        self.sixteen_bit_head_gradient = False
+        # {table: uint8 row flags}: the rows of the embedding's gradient that may be non-zero, the only ones
+        # TritonAdamW reads; filled by embedding_gradient, a RowTrackedGradient once track_embedding_gradient_rows()
+        # is called (table_gradient.py).
+        self.gradient_rows = {}
+        self.embedding_gradient = None
         self.optimizer_writes_copies = False   # set by configure_optimizer when it returns a TritonAdamW
         self.copied_versions = None   # the weights' version counters when the copies were last made
         self.early_update = None   # called during backward once layer 0's is all that is left (GraphedStep)
@@ -332,19 +340,30 @@ class TinyLlama(nn.Module):
             copied.record()
         return copied
 
-    def use_weight_gradient_stream(self, enabled: bool = True, sixteen_bit_gradients: bool = False) -> None:
+    def use_weight_gradient_stream(self, enabled: bool = True, sixteen_bit_gradients: bool = False,
+                                   sixteen_bit_head_gradient: bool = True) -> None:
         """Compute the projections' weight gradients on a second stream (see WeightGradientStream); GPU only.
         The caller must then call join_weight_gradients() after each loss.backward(). With sixteen_bit_gradients,
         under autocast the stream writes them in the GEMMs' 16-bit dtype into self.sixteen_bit_gradients (for
-        TritonAdamW, which reads them there) instead of float32 into .grad."""
+        TritonAdamW, which reads them there) instead of float32 into .grad; and with sixteen_bit_head_gradient
+        too, under bfloat16 autocast the fused loss sums the output head's gradient in bfloat16 into the same dict
+        (kernels/linear_cross_entropy.py's docstring)."""
         device = self.embed_tokens.weight.device
         if enabled and device.type != "cuda":
             raise ValueError("a second stream for the weight gradients needs a GPU")
         gradients = self.sixteen_bit_gradients if sixteen_bit_gradients else None
         self.weight_grad_stream = WeightGradientStream(device, sixteen_bit_gradients=gradients) if enabled else None
+        self.sixteen_bit_head_gradient = enabled and sixteen_bit_gradients and sixteen_bit_head_gradient
         for projection in self.projections:
             if projection is not self.lm_head:   # the fused loss computes the head's gradient itself
                 projection.weight_grad_stream = self.weight_grad_stream
+
+    def track_embedding_gradient_rows(self, enabled: bool = True) -> None:
+        """Keep the embedding table's gradient from step to step, zeroing only the rows the last step touched, and
+        have TritonAdamW read only the rows this step touched (table_gradient.py); False: a gradient
+        zeroed whole every step, read whole."""
+        self.gradient_rows.clear()
+        self.embedding_gradient = RowTrackedGradient(self.gradient_rows) if enabled else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """nn.Module's zero_grad, for the 16-bit weight gradients too: one left from an earlier backward pass would
@@ -367,7 +386,8 @@ class TinyLlama(nn.Module):
             h, normed = embedding_rms_norm(input_ids, self.embed_tokens.weight,
                                            self.layers[0].attention_norm.weight, self.config.rms_norm_eps,
                                            normed_dtype=gemm_input_dtype(input_ids.device.type),
-                                           row_exchange=self.embedding_row_exchange)
+                                           row_exchange=self.embedding_row_exchange,
+                                           tracked_gradient=self.embedding_gradient)
         if weights_copied is not None:   # the copy ran on the second stream: the projections need it now
             torch.cuda.current_stream(h.device).wait_event(weights_copied)
         for i, layer in enumerate(self.layers):
@@ -388,8 +408,10 @@ class TinyLlama(nn.Module):
         with profile_range("loss"):
             # Output head and loss in one chunked op: the [B*S, V] float32 logits are never built. A training
             # step differentiates the loss once: its gradients, computed here, are then scaled in place.
+            head_gradients = self.sixteen_bit_gradients if self.sixteen_bit_head_gradient else None
             return None, linear_cross_entropy(normed, self.lm_head.weight, targets,
-                                              weight16=self.lm_head.weight16, backward_once=True)
+                                              weight16=self.lm_head.weight16, backward_once=True,
+                                              sixteen_bit_gradients=head_gradients)
 
     def layer_projection_parameters(self, k: int) -> list:
         """The projection weights of layer k, and with the last layer the output head's (whose gradient the loss
@@ -417,7 +439,8 @@ class TinyLlama(nn.Module):
             rest = [p for p in self.parameters() if id(p) not in early_ids]
             embedding = {"params": [self.embed_tokens.weight], "embedding": True}
             return TritonAdamW(by_layer + [{"params": rest}, embedding], sixteen_bit_copies=self.sixteen_bit_copies,
-                               sixteen_bit_gradients=self.sixteen_bit_gradients, **hyper)
+                               sixteen_bit_gradients=self.sixteen_bit_gradients, gradient_rows=self.gradient_rows,
+                               **hyper)
         on_gpu = next(self.parameters()).is_cuda
         return torch.optim.AdamW(self.parameters(), fused=on_gpu or None,
                                  capturable=on_gpu and self.capturable_optimizer, **hyper)
@@ -504,6 +527,12 @@ def add_weight_gradient_dtype_argument(parser):
                         default=True,
                         help="in the graph-captured step under autocast, write the projections' weight gradients in "
                              "float32 instead of the GEMMs' 16-bit dtype (to compare)")
+    parser.add_argument("--float32-head-grad", dest="sixteen_bit_head_grad", action="store_false", default=True,
+                        help="where the projections' weight gradients are 16-bit, still sum the output head's in "
+                             "float32 rather than bfloat16 (to compare)")
+    parser.add_argument("--whole-embedding-grad", dest="embedding_grad_rows", action="store_false", default=True,
+                        help="in the graph-captured step, zero the embedding's gradient whole every step and have "
+                             "the optimizer read it whole, rather than only the rows the batch touches (to compare)")
 
 
 def add_rope_arguments(parser):
@@ -742,6 +771,15 @@ def sixteen_bit_weight_gradients_of_args(args) -> bool:
         summed_across_ranks=distributed.launched_by_torchrun(), optimizer_reads_them=not takes_torch_adamw(args))
 
 
+def describe_weight_gradient_dtypes(args) -> str:
+    """The header's words for the weight gradients the graph-captured step's optimizer reads under autocast."""
+    if not sixteen_bit_weight_gradients_of_args(args):
+        return "float32 weight gradients"
+    # (Under float16 the head's would stay float32, but a float16 step has no graph: GradScaler decides on the host.)
+    head_too = getattr(args, "sixteen_bit_head_grad", True)
+    return "16-bit weight gradients" + (", the output head's too" if head_too else " (the output head's float32)")
+
+
 def describe(args) -> dict:
     on_gpu = torch.cuda.is_available() and args.device != "cpu"
     step = "CUDA/HIP graph replay" if (on_gpu and args.cuda_graph) else "eager launches"
@@ -764,8 +802,7 @@ def describe(args) -> dict:
     elif getattr(args, "use_amp", False):
         optimizer = "Triton AdamW, writing the 16-bit weight copies"
         if on_gpu and graphed_step.uses_graph(args, torch.device("cuda")) and args.weight_grad_stream:
-            optimizer += (", reading 16-bit weight gradients" if sixteen_bit_weight_gradients_of_args(args)
-                          else ", reading float32 weight gradients")
+            optimizer += ", reading " + describe_weight_gradient_dtypes(args)
     else:
         optimizer = "Triton AdamW"
     # On the CPU, PyTorch's matmuls and the interpreter's tl.dot (NumPy) both compute in IEEE float32.
@@ -783,7 +820,17 @@ def describe(args) -> dict:
     graphed = on_gpu and graphed_step.uses_graph(args, torch.device("cuda"))
     if graphed and distributed.launched_by_torchrun() and not runs_under_deepspeed(args):
         info["embed grad"] = embedding_grad_sync_of_args(args)
+    elif graphed and not runs_under_deepspeed(args):
+        info["embed grad"] = describe_embedding_gradient_rows(args)
     return info
+
+
+def describe_embedding_gradient_rows(args) -> str:
+    """How the graph-captured step of one process zeroes and reads the embedding's gradient, in words."""
+    if not getattr(args, "embedding_grad_rows", True):
+        return "zeroed and read whole every step (--whole-embedding-grad)"
+    done = "zeroed" if takes_torch_adamw(args) else "zeroed and read"   # torch's AdamW reads every row
+    return f"kept between steps: only the rows a batch touches are {done}"
 
 
 def embedding_grad_sync_of_args(args) -> str:

@@ -20,6 +20,15 @@ more than one chunk of logits:
 Since the gradients are computed in forward, backward only scales them: one kernel. Without any input that
 requires grad, only the loss is computed.
 
+The weight's gradient is summed over the chunks in float32, unless the caller hands in `sixteen_bit_gradients`
+({weight: gradient}, the dict the model's weight-gradient stream writes and TritonAdamW reads: backward_overlap.py)
+for a bfloat16 training step (backward_once). Then each chunk's GEMM adds its product into one bfloat16 gradient
+(beta = 1, summed in float32 inside the GEMM and rounded once a chunk), and the backward pass puts it into the dict
+instead of handing autograd a float32 one. It is what autocast's own backward gives the head's float32 weight (the
+16-bit product, widened later), summed from the chunks in bfloat16: at the medium preset ([32000, 1024], two
+chunks) the first chunk writes 65 MB instead of 131, the second reads and writes 65 instead of 131 each, and the
+optimizer reads 65 instead of 131: 262 MB a step fewer.
+
 The mean's 1/n_valid: in bfloat16 and float32 the kernel writes (softmax - onehot) / n_valid, n_valid counted
 from the targets before the first chunk, so both gradients leave the forward pass already divided. Backward then
 multiplies them by grad_output. With backward_once (a training step, which differentiates each loss once: version
@@ -69,6 +78,10 @@ CHUNK_ROW_MULTIPLE = 64
 # where values of about 1 / (V * n_valid) do not underflow (the module docstring). float16's gradient is divided in
 # the backward pass instead.
 DIVIDED_IN_FORWARD = (torch.float32, torch.bfloat16)
+# The compute dtypes whose weight gradient may be summed in that dtype (`sixteen_bit_gradients`): those divided in
+# the forward pass, so that the backward pass leaves the sum as it is (float16's would be divided there, rounding
+# the sum a second time).
+SUMMED_IN_COMPUTE_DTYPE = tuple(d for d in DIVIDED_IN_FORWARD if d != torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -354,11 +367,12 @@ def _compute_dtype(hidden):
 # autograd
 # ----------------------------------------------------------------------------------------------------------
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """(hidden [N, D], weight [V, D], targets [N], chunk_size, ignore_index, grad_enabled, weight16, backward_once)
-    -> mean loss.
+    """(hidden [N, D], weight [V, D], targets [N], chunk_size, ignore_index, grad_enabled, weight16, backward_once,
+    sixteen_bit_gradients) -> mean loss.
 
     weight16: None, or a 16-bit copy of weight already made by the caller (used when it has the compute dtype).
     backward_once: backward scales the gradients in place and hands them over (see the module docstring).
+    sixteen_bit_gradients: None, or the dict where the weight's 16-bit gradient goes (see the module docstring).
 
     grad_enabled: torch.is_grad_enabled() of the caller. Inside forward, grad mode is always off and
     ctx.needs_input_grad only reflects requires_grad, so under torch.no_grad() it would still ask for
@@ -366,7 +380,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index, grad_enabled, weight16, backward_once):
+    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index, grad_enabled, weight16, backward_once,
+                sixteen_bit_gradients):
         n_rows = hidden.shape[0]
         dtype = _compute_dtype(hidden)
         want_grad_hidden = grad_enabled and ctx.needs_input_grad[0]
@@ -384,7 +399,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         divided = compute_grad and dtype in DIVIDED_IN_FORWARD
         grad_scale = inverse_count(targets, ignore_index) if divided else None
         grad_hidden = _new_output(hidden_c.shape, dtype, hidden.device) if want_grad_hidden else None
-        grad_weight = None   # float32, summed over the chunks
+        grad_weight = None   # summed over the chunks, in float32 or (weight_in_16_bits) in the compute dtype
+        weight_in_16_bits = (want_grad_weight and backward_once and sixteen_bit_gradients is not None
+                             and _first_gradient(weight, sixteen_bit_gradients) and dtype in SUMMED_IN_COMPUTE_DTYPE)
 
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for start in range(0, n_rows, chunk_size):
@@ -397,7 +414,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 dlogits = logits  # the kernel has overwritten the logits with (softmax - onehot) [/ n_valid]
                 if want_grad_hidden:
                     torch.matmul(dlogits, weight_c, out=grad_hidden[rows])
-                if want_grad_weight:
+                if weight_in_16_bits:
+                    grad_weight = _accumulate_in_16_bits(grad_weight, dlogits.T, hidden_c[rows])
+                elif want_grad_weight:
                     grad_weight = accumulate_matmul(grad_weight, dlogits.T, hidden_c[rows])
 
         # Mean over the rows that count; stays on the device (no .item(), so no host synchronisation).
@@ -412,7 +431,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 ctx.save_for_backward(grad_hidden, grad_weight)
             ctx.inv_count = None if divided else inv_n_valid
-            ctx.dtypes = (hidden.dtype, weight.dtype)
+            weight_in_16_bits = weight_in_16_bits and grad_weight is not None   # None: no rows, no gradient
+            ctx.dtypes = (hidden.dtype, grad_weight.dtype if weight_in_16_bits else weight.dtype)
+            # With the dict, the backward pass hands the weight's gradient over itself (_hand_over).
+            ctx.weight = weight
+            ctx.sixteen_bit_gradients = sixteen_bit_gradients if want_grad_weight and backward_once else None
         return loss
 
     @staticmethod
@@ -430,7 +453,40 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grad_hidden, grad_weight = scaled_pair(grad_hidden, hidden_dtype, grad_weight, weight_dtype,
                                                grad_output.to(torch.float32), ctx.inv_count,
                                                in_place=ctx.backward_once)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        if ctx.sixteen_bit_gradients is not None and grad_weight is not None:
+            grad_weight = _hand_over(ctx.weight, grad_weight, ctx.sixteen_bit_gradients)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def _first_gradient(weight, sixteen_bit_gradients) -> bool:
+    """Whether weight has no gradient yet, of either kind: only a first one is summed in 16 bits (a second
+    backward pass before the optimizer step adds to the first in float32, as the weight-gradient stream does)."""
+    return weight.grad is None and weight not in sixteen_bit_gradients
+
+
+def _accumulate_in_16_bits(grad_weight, a, b):
+    """grad_weight (16-bit, or None before the first chunk) + a @ b, in a and b's dtype: one GEMM whose epilogue
+    adds the sum so far (beta = 1) before rounding to 16 bits."""
+    if grad_weight is None:
+        return a @ b
+    return grad_weight.addmm_(a, b)
+
+
+def _hand_over(weight, grad_weight, sixteen_bit_gradients):
+    """What the backward pass returns for the weight, given the dict of 16-bit gradients. A 16-bit gradient that is
+    the weight's first goes into the dict, and autograd gets none. Otherwise autograd gets it in float32 (widened),
+    to add to .grad; a 16-bit gradient an earlier backward pass left in the dict is widened into .grad first, so
+    that the two add up there (as the weight-gradient stream does with a second backward pass)."""
+    if grad_weight.dtype != torch.float32 and _first_gradient(weight, sixteen_bit_gradients):
+        sixteen_bit_gradients[weight] = grad_weight
+        return None
+    earlier = sixteen_bit_gradients.pop(weight, None)
+    if earlier is not None:
+        if weight.grad is not None:
+            raise ValueError("a weight with two gradients, a float32 .grad and a 16-bit one: clear them first "
+                             "(the optimizer's or the model's zero_grad)")
+        weight.grad = earlier.to(torch.float32)
+    return grad_weight.to(torch.float32)
 
 
 _FLOAT32_OUTPUT_MATMUL = {"supported": True}
@@ -489,7 +545,7 @@ def accumulate_matmul(grad_weight, a, b):
 # Public function
 # ----------------------------------------------------------------------------------------------------------
 def linear_cross_entropy(hidden, weight, targets, chunk_size=None, ignore_index=-100, weight16=None,
-                         backward_once=False):
+                         backward_once=False, sixteen_bit_gradients=None):
     """Mean cross-entropy of `hidden @ weight.T` against `targets`, never holding all the logits.
 
     hidden: [..., D] float32, or 16-bit (or float32 under autocast, then cast as nn.Linear would be).
@@ -499,6 +555,8 @@ def linear_cross_entropy(hidden, weight, targets, chunk_size=None, ignore_index=
     backward_once: the caller differentiates the loss once (a training step); backward then scales the gradients
     in place, touching nothing when grad_output is exactly 1, and refuses a second backward through a graph kept
     with retain_graph=True (see the module docstring).
+    sixteen_bit_gradients: a dict {weight: 16-bit gradient}; with backward_once under bfloat16 autocast, the weight's
+    gradient goes there in bfloat16 instead of into weight.grad (see the module docstring). None: float32 .grad.
     Returns a float32 scalar equal to F.cross_entropy((hidden @ weight.T).float(), targets).
     """
     n_features = hidden.shape[-1]
@@ -512,4 +570,5 @@ def linear_cross_entropy(hidden, weight, targets, chunk_size=None, ignore_index=
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return LinearCrossEntropyFunction.apply(hidden_rows, weight, targets_rows.contiguous(), chunk_size,
-                                            ignore_index, torch.is_grad_enabled(), weight16, backward_once)
+                                            ignore_index, torch.is_grad_enabled(), weight16, backward_once,
+                                            sixteen_bit_gradients)

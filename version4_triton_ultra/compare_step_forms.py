@@ -48,7 +48,6 @@ FORMS = {
     "equal-stream-priority": ["--equal-stream-priority"],   # the main stream not above the second stream
     "float32-weight-grads": ["--float32-weight-grads"],   # the second stream's weight gradients in float32
     "float32-head-grad": ["--float32-head-grad"],         # the output head's gradient summed in float32
-    "whole-embedding-grad": ["--whole-embedding-grad"],   # the embedding's gradient zeroed and read whole
     "no-programmatic-launch": ["--no-programmatic-launch"],   # each Triton kernel starts after the last one ends
 }
 

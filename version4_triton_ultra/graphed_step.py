@@ -54,13 +54,6 @@ def writes_sixteen_bit_weight_gradients(requested: bool, on_second_stream: bool,
     return requested and on_second_stream and not summed_across_ranks and optimizer_reads_them
 
 
-def tracks_embedding_rows(requested: bool, summed_across_ranks: bool) -> bool:
-    """The graph-captured step's rule for the embedding's gradient (table_gradient.py): kept from step to
-    step and zeroed and read by the rows the batch touches, unless --whole-embedding-grad says otherwise or the
-    ranks sum it (under data parallel the gradient comes from the ranks' rows or an all-reduce of the table)."""
-    return requested and not summed_across_ranks
-
-
 def uses_graph(args, device) -> bool:
     """The same rule as version 2's --cuda-graph: on a GPU, unless float16 AMP's GradScaler makes host-side
     decisions every step, which a replayed graph cannot."""
@@ -79,9 +72,7 @@ class GraphedStep(GraphReplayedStep):
     model's WeightGradientStream on or off); with `sixteen_bit_weight_gradients` (the default) that stream writes
     them, under autocast, in the GEMMs' 16-bit dtype, for TritonAdamW to read as they are (not under data
     parallel, whose all-reduces sum float32 gradients), and under bfloat16 the fused loss sums the output head's in
-    bfloat16 beside them (unless `sixteen_bit_head_gradient` is False). With `embedding_gradient_rows` (the
-    default, not under data parallel) the embedding's gradient is zeroed and read by the rows the batch touches
-    (table_gradient.py). With `main_stream_first` (the default) the
+    bfloat16 beside them (unless `sixteen_bit_head_gradient` is False). With `main_stream_first` (the default) the
     main stream's kernels are captured at a higher priority than the second stream's (CAPTURE_PRIORITY): where both
     have kernels waiting for an SM, the block scheduler starts the main stream's, the critical path, first.
 
@@ -124,8 +115,7 @@ class GraphedStep(GraphReplayedStep):
 
     def __init__(self, model, optimizer, device, train, warmup_steps: int = 3, weight_gradient_stream=True,
                  gradient_sync=None, embedding_grad_sync: str = "auto", main_stream_first: bool = True,
-                 sixteen_bit_weight_gradients: bool = True, sixteen_bit_head_gradient: bool = True,
-                 embedding_gradient_rows: bool = True):
+                 sixteen_bit_weight_gradients: bool = True, sixteen_bit_head_gradient: bool = True):
         super().__init__(model, optimizer, device, train, warmup_steps)
         self.main_stream_first = main_stream_first
         if embedding_grad_sync not in EMBEDDING_GRAD_SYNC:
@@ -139,7 +129,6 @@ class GraphedStep(GraphReplayedStep):
         model.use_weight_gradient_stream(weight_gradient_stream,
                                          sixteen_bit_gradients=self.sixteen_bit_weight_gradients,
                                          sixteen_bit_head_gradient=sixteen_bit_head_gradient)
-        model.track_embedding_gradient_rows(tracks_embedding_rows(embedding_gradient_rows, gradient_sync is not None))
         # Layer k -> the index of the optimizer group holding its weights (TritonAdamW from configure_optimizer).
         # Updating during the backward pass needs the second stream, where a layer's weight gradients are known
         # to be queued when the backward pass leaves the layer (autograd accumulates its own when it sees fit).
@@ -366,6 +355,5 @@ def make_step(model, optimizer, device, train, args, gradient_sync=None):
                            embedding_grad_sync=args.embedding_grad_sync,
                            main_stream_first=not args.equal_stream_priority,
                            sixteen_bit_weight_gradients=args.sixteen_bit_weight_grads,
-                           sixteen_bit_head_gradient=getattr(args, "sixteen_bit_head_grad", True),
-                           embedding_gradient_rows=getattr(args, "embedding_grad_rows", True))
+                           sixteen_bit_head_gradient=getattr(args, "sixteen_bit_head_grad", True))
     return EagerStep(model, optimizer, device, train)

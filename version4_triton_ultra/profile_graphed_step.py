@@ -191,8 +191,7 @@ def build_step(args):
                                     weight_gradient_stream=args.weight_grad_stream,
                                     main_stream_first=not args.equal_stream_priority,
                                     sixteen_bit_weight_gradients=args.sixteen_bit_weight_grads,
-                                    sixteen_bit_head_gradient=args.sixteen_bit_head_grad,
-                                    embedding_gradient_rows=args.embedding_grad_rows)
+                                    sixteen_bit_head_gradient=args.sixteen_bit_head_grad)
     tokens = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len + 1), device="cuda")
     return step, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 

@@ -34,7 +34,9 @@ What changed from version 3 (`diff ../version3_triton/tiny_llama_v3.py tiny_llam
      updates the weights (autocast casts each weight in its own kernel and, in backward, widens each weight
      gradient in another); weight gradients come out of their GEMM in float32 directly or, on the second stream
      of item 9, in bfloat16: the gradient that autocast itself gives (its backward widens the 16-bit product), which
-     the optimizer reads as it is, 2 bytes a weight fewer each way (--float32-weight-grads to compare).
+     the optimizer reads as it is, 2 bytes a weight fewer each way (--float32-weight-grads to compare). The fused
+     loss of item 5 then sums the output head's weight gradient over its chunks in bfloat16 too, into the same
+     place (--float32-head-grad to compare).
   8. AdamW in one Triton kernel for all parameters (kernels/adamw.py), which also writes the bfloat16 weight
      copies of item 7 from the updated values: no separate copy pass before the next forward pass.
      --torch-adamw uses torch.optim.AdamW(fused=True) and one copy kernel per step instead, to compare.
@@ -103,7 +105,6 @@ from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm, embedding_rm
 from version4_triton_ultra.kernels.flash_attention import flash_attention_packed  # noqa: E402
 from version4_triton_ultra.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from version4_triton_ultra.kernels.programmatic_launch import set_programmatic_launch  # noqa: E402
-from version4_triton_ultra.table_gradient import RowTrackedGradient  # noqa: E402
 
 
 class Projection(nn.Linear):
@@ -267,11 +268,6 @@ class TinyLlama(nn.Module):
         self.sixteen_bit_gradients = {}
         # Whether the fused loss puts the output head's gradient there too, in bfloat16 (use_weight_gradient_stream).
         self.sixteen_bit_head_gradient = False
-        # {table: uint8 row flags}: the rows of the embedding's gradient that may be non-zero, the only ones
-        # TritonAdamW reads; filled by embedding_gradient, a RowTrackedGradient once track_embedding_gradient_rows()
-        # is called (table_gradient.py).
-        self.gradient_rows = {}
-        self.embedding_gradient = None
         self.optimizer_writes_copies = False   # set by configure_optimizer when it returns a TritonAdamW
         self.copied_versions = None   # the weights' version counters when the copies were last made
         self.early_update = None   # called during backward once layer 0's is all that is left (GraphedStep)
@@ -358,13 +354,6 @@ class TinyLlama(nn.Module):
             if projection is not self.lm_head:   # the fused loss computes the head's gradient itself
                 projection.weight_grad_stream = self.weight_grad_stream
 
-    def track_embedding_gradient_rows(self, enabled: bool = True) -> None:
-        """Keep the embedding table's gradient from step to step, zeroing only the rows the last step touched, and
-        have TritonAdamW read only the rows this step touched (table_gradient.py); False: a gradient
-        zeroed whole every step, read whole."""
-        self.gradient_rows.clear()
-        self.embedding_gradient = RowTrackedGradient(self.gradient_rows) if enabled else None
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """nn.Module's zero_grad, for the 16-bit weight gradients too: one left from an earlier backward pass would
         be taken for the first half of an accumulation and added into the next one (WeightGradientStream.queue)."""
@@ -386,8 +375,7 @@ class TinyLlama(nn.Module):
             h, normed = embedding_rms_norm(input_ids, self.embed_tokens.weight,
                                            self.layers[0].attention_norm.weight, self.config.rms_norm_eps,
                                            normed_dtype=gemm_input_dtype(input_ids.device.type),
-                                           row_exchange=self.embedding_row_exchange,
-                                           tracked_gradient=self.embedding_gradient)
+                                           row_exchange=self.embedding_row_exchange)
         if weights_copied is not None:   # the copy ran on the second stream: the projections need it now
             torch.cuda.current_stream(h.device).wait_event(weights_copied)
         for i, layer in enumerate(self.layers):
@@ -439,8 +427,7 @@ class TinyLlama(nn.Module):
             rest = [p for p in self.parameters() if id(p) not in early_ids]
             embedding = {"params": [self.embed_tokens.weight], "embedding": True}
             return TritonAdamW(by_layer + [{"params": rest}, embedding], sixteen_bit_copies=self.sixteen_bit_copies,
-                               sixteen_bit_gradients=self.sixteen_bit_gradients, gradient_rows=self.gradient_rows,
-                               **hyper)
+                               sixteen_bit_gradients=self.sixteen_bit_gradients, **hyper)
         on_gpu = next(self.parameters()).is_cuda
         return torch.optim.AdamW(self.parameters(), fused=on_gpu or None,
                                  capturable=on_gpu and self.capturable_optimizer, **hyper)
@@ -530,9 +517,6 @@ def add_weight_gradient_dtype_argument(parser):
     parser.add_argument("--float32-head-grad", dest="sixteen_bit_head_grad", action="store_false", default=True,
                         help="where the projections' weight gradients are 16-bit, still sum the output head's in "
                              "float32 rather than bfloat16 (to compare)")
-    parser.add_argument("--whole-embedding-grad", dest="embedding_grad_rows", action="store_false", default=True,
-                        help="in the graph-captured step, zero the embedding's gradient whole every step and have "
-                             "the optimizer read it whole, rather than only the rows the batch touches (to compare)")
 
 
 def add_rope_arguments(parser):
@@ -820,17 +804,7 @@ def describe(args) -> dict:
     graphed = on_gpu and graphed_step.uses_graph(args, torch.device("cuda"))
     if graphed and distributed.launched_by_torchrun() and not runs_under_deepspeed(args):
         info["embed grad"] = embedding_grad_sync_of_args(args)
-    elif graphed and not runs_under_deepspeed(args):
-        info["embed grad"] = describe_embedding_gradient_rows(args)
     return info
-
-
-def describe_embedding_gradient_rows(args) -> str:
-    """How the graph-captured step of one process zeroes and reads the embedding's gradient, in words."""
-    if not getattr(args, "embedding_grad_rows", True):
-        return "zeroed and read whole every step (--whole-embedding-grad)"
-    done = "zeroed" if takes_torch_adamw(args) else "zeroed and read"   # torch's AdamW reads every row
-    return f"kept between steps: only the rows a batch touches are {done}"
 
 
 def embedding_grad_sync_of_args(args) -> str:

@@ -31,13 +31,6 @@ autocast computes the same numbers, up to the GEMM's order of summation; and it 
 the GEMM and 2 fewer into this kernel, which reads, per parameter, whichever gradient it has (a table row says
 which). A parameter has one or the other, never both; zero_grad clears both.
 
-Rows known to be zero. A batch looks up at most as many of the embedding table's rows as it has tokens (8,192 of
-32,000 at the medium preset), so most rows of the table's gradient are zero. `gradient_rows` ({parameter: flags},
-a uint8 flag per row of the parameter's first dimension: the model's dict, which ../table_gradient.py fills) says
-which rows may be non-zero: the kernel reads the gradient of those rows only and takes 0 for the others, the same
-arithmetic (weight decay, both moments decaying) for every row. At the medium preset that reads at most 34 MB of
-the table's gradient instead of 131.
-
 Addresses and graph capture. Gradients are new tensors at every eager step, so the address table is rewritten
 (one small host-to-device copy) whenever an address changed. A CUDA/HIP graph replays the kernel with the table
 it was captured with: the gradients the graph allocates during capture must be in it, but a copy from pageable
@@ -81,9 +74,7 @@ SMALL_PROGRAMS_FROM = 2 ** 22
 # block, so that their parameters span several programs): about one program per parameter of a small model.
 INTERPRETER_BLOCK = 65536
 # Rows of the per-tensor address table, in this order: addresses, then 1 where the gradient is 16-bit (else 0).
-# Then the address of the row flags (0: every row is read) and the elements a row.
-ADDRESS_ROWS = ("param", "grad", "exp_avg", "exp_avg_sq", "step", "copy", "grad_is_16_bit", "row_flags",
-                "row_length")
+ADDRESS_ROWS = ("param", "grad", "exp_avg", "exp_avg_sq", "step", "copy", "grad_is_16_bit")
 
 
 @triton.jit
@@ -115,7 +106,6 @@ def _adamw_kernel(
     step_ptr = tl.load(addresses_ptr + 4 * n_tensors + tensor).to(tl.pointer_type(tl.float32))
     copy_address = tl.load(addresses_ptr + 5 * n_tensors + tensor)
     grad_is_16_bit = tl.load(addresses_ptr + 6 * n_tensors + tensor)
-    row_flags_address = tl.load(addresses_ptr + 7 * n_tensors + tensor)
 
     if LR_IN_MEMORY:
         lr = tl.load(lr_ptr)
@@ -125,15 +115,10 @@ def _adamw_kernel(
     bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
 
     p = tl.load(param_ptr + offsets, mask=mask)
-    read_grad = mask
-    if row_flags_address != 0:   # only the rows flagged as possibly non-zero: the others' gradient is 0
-        row_length = tl.load(addresses_ptr + 8 * n_tensors + tensor)
-        flags = tl.load(row_flags_address.to(tl.pointer_type(tl.uint8)) + offsets // row_length, mask=mask, other=0)
-        read_grad = mask & (flags != 0)
     if grad_is_16_bit != 0:   # the same address, read as 16-bit numbers and widened
-        g = tl.load(grad_ptr.to(tl.pointer_type(GRAD16_DTYPE)) + offsets, mask=read_grad, other=0.0).to(tl.float32)
+        g = tl.load(grad_ptr.to(tl.pointer_type(GRAD16_DTYPE)) + offsets, mask=mask).to(tl.float32)
     else:
-        g = tl.load(grad_ptr + offsets, mask=read_grad, other=0.0)
+        g = tl.load(grad_ptr + offsets, mask=mask)
     m = tl.load(exp_avg_ptr + offsets, mask=mask)
     v = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
 
@@ -170,15 +155,13 @@ class TritonAdamW(torch.optim.Optimizer):
     (tiny_llama_v4.TinyLlama.refresh_16bit_weights) and may change between steps; after every step each copy
     in it equals its updated weight, rounded. Parameters and gradients must be contiguous float32 tensors on
     the GPU (or on the CPU under Triton's interpreter), except that a parameter's gradient may instead be a 16-bit
-    tensor in `sixteen_bit_gradients` ({parameter: gradient}; see the module docstring). `gradient_rows`
-    ({parameter: uint8 flags, one a row}) names the rows whose gradient may be non-zero, the only ones read (the
-    module docstring). `launch`: (elements a
+    tensor in `sixteen_bit_gradients` ({parameter: gradient}; see the module docstring). `launch`: (elements a
     program, warps), both powers of two, for a tuner to time; None: launch_for each group's size. The update is
     the same under any launch, bit for bit.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 sixteen_bit_copies=None, launch=None, sixteen_bit_gradients=None, gradient_rows=None):
+                 sixteen_bit_copies=None, launch=None, sixteen_bit_gradients=None):
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"betas must be in [0, 1): {betas}")
         if isinstance(lr, torch.Tensor) and (lr.dim() != 0 or lr.dtype != torch.float32):
@@ -193,7 +176,6 @@ class TritonAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True))
         self.sixteen_bit_copies = {} if sixteen_bit_copies is None else sixteen_bit_copies
         self.sixteen_bit_gradients = {} if sixteen_bit_gradients is None else sixteen_bit_gradients
-        self.gradient_rows = {} if gradient_rows is None else gradient_rows
         # (elements a program, warps) of every launch when a tuner (tune_adamw.py) times one; None: by group size.
         # Set here only: a group's launch is fixed with its launch tables, at its first step.
         self.launch = launch
@@ -275,20 +257,9 @@ class TritonAdamW(torch.optim.Optimizer):
             if grad.shape != param.shape:
                 raise ValueError(f"a gradient of shape {tuple(grad.shape)} for a parameter of shape "
                                  f"{tuple(param.shape)}")
-            flags = self._row_flags_of(param)
             columns.append([t.data_ptr() for t in tensors] + [copy.data_ptr() if copy is not None else 0]
-                           + [int(grad.dtype != torch.float32)]
-                           + ([flags.data_ptr(), param[0].numel()] if flags is not None else [0, 0]))
+                           + [int(grad.dtype != torch.float32)])
         return columns
-
-    def _row_flags_of(self, param):
-        """The parameter's row flags in gradient_rows, checked, or None."""
-        flags = self.gradient_rows.get(param)
-        if flags is not None and (param.dim() < 1 or flags.dtype != torch.uint8 or flags.shape != param.shape[:1]
-                                  or not flags.is_contiguous() or flags.device != param.device):
-            raise ValueError(f"row flags must be a contiguous uint8 tensor of shape {tuple(param.shape[:1])} on the "
-                             f"parameter's device; got {flags.dtype} {tuple(flags.shape)}")
-        return flags
 
     def _tables(self, index, params, grads, states):
         """The launch tables of this group: reused while every address is the same as at the last step."""

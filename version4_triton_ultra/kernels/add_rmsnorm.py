@@ -520,16 +520,13 @@ def _rms_norm_forward(x, delta, weight, eps, stream_dtype, normed_dtype, ids=Non
     return new_residual, normed, rstd
 
 
-def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dtype=None, ids=None, scatter=True,
-                       table_gradient=None):
+def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dtype=None, ids=None, scatter=True):
     """Launch the backward kernel. Returns (grad_h [N, D] in h's dtype, the same in copy_dtype or None,
     grad_weight [D] float32).
 
     With ids [N] (h is then the table [V, D] whose rows ids were normalised), grad_h is instead added into the
     rows ids of a float32 [V, D] gradient of the table, which is returned in its place; with scatter=False as well,
-    grad_h is the rows' gradient [N, D] in float32, for the caller to add into the table's gradient. With
-    table_gradient (a float32 [V, D] tensor, zero where it must be), the rows are added into it instead of into
-    zeros of their own (../table_gradient.py)."""
+    grad_h is the rows' gradient [N, D] in float32, for the caller to add into the table's gradient."""
     table_rows = ids is not None
     scatter = table_rows and scatter
     n_rows, n_features = (ids.shape[0], h.shape[1]) if table_rows else h.shape
@@ -537,9 +534,7 @@ def _rms_norm_backward(h, weight, rstd, grad_normed, grad_new_residual, copy_dty
     has_residual_grad = grad_new_residual is not None
     # Without a residual gradient, grad_normed stands in for the unused pointer.
     grad_res = _as_rows(grad_new_residual, n_features) if has_residual_grad else grad_normed
-    if scatter and table_gradient is not None:
-        grad_h = table_gradient
-    elif scatter:
+    if scatter:
         grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device)   # the atomic additions' start
     else:
         grad_h = _new_output((n_rows, n_features), torch.float32 if table_rows else h.dtype, h.device)
@@ -647,11 +642,6 @@ class EmbeddingRMSNormFunction(torch.autograd.Function):
     the table's gradient (atomic additions, as in kernels/embedding_backward.py) instead of writing it for an
     embedding backward kernel to read back.
 
-    `tracked_gradient` (a RowTrackedGradient of ../table_gradient.py, or None) keeps the table's gradient from
-    step to step and zeroes only the rows the last step touched; the backward pass then leaves the gradient in the
-    table's .grad itself and hands autograd none (else autograd, seeing a tensor referenced elsewhere, would copy
-    it).
-
     Under data parallel, `row_exchange` (a gradient_sync.EmbeddingRowExchange, or None) sums the table's
     gradient over the ranks by exchanging what it is made of: the forward pass starts gathering every rank's
     token ids; the backward kernel writes each row's gradient instead of adding it, the ranks gather those rows,
@@ -663,7 +653,7 @@ class EmbeddingRMSNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input_ids, table, weight, eps, normed_dtype, row_exchange=None, tracked_gradient=None):
+    def forward(ctx, input_ids, table, weight, eps, normed_dtype, row_exchange=None):
         if table.dim() != 2:
             raise ValueError(f"table must be [V, D], got {tuple(table.shape)}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -674,9 +664,6 @@ class EmbeddingRMSNormFunction(torch.autograd.Function):
         if weight.shape != (n_features,):
             raise ValueError(f"weight {tuple(weight.shape)} must be [{n_features}]")
         ids = input_ids.reshape(-1).contiguous()
-        # The leaf itself, whose .grad a RowTrackedGradient sets (contiguous() may return a copy).
-        ctx.tracked_gradient = tracked_gradient
-        ctx.table_leaf = table if tracked_gradient is not None else None
         table, weight = table.contiguous(), weight.contiguous()
         h, normed, rstd = _rms_norm_forward(table, None, weight, eps, table.dtype, normed_dtype or table.dtype,
                                             ids=ids)
@@ -695,17 +682,9 @@ class EmbeddingRMSNormFunction(torch.autograd.Function):
         if grad_h is None and grad_normed is None:
             if exchange is not None:
                 ctx.ids_gathering.wait()   # a captured graph must not leave a collective it started unwaited
-            return None, None, None, None, None, None, None
-        tracked = ctx.tracked_gradient if ctx.needs_input_grad[1] else None
-        if tracked is not None and (grad_normed is None or exchange is not None):
-            tracked.withdraw(ctx.table_leaf)   # the gradient is made below, the plain way
-            tracked = None
+            return None, None, None, None, None, None
         if grad_normed is not None and exchange is None:   # the usual case: each row's gradient added in place
-            target = tracked.target_for(ctx.table_leaf, ids) if tracked is not None else None
-            grad_table, _, grad_weight = _rms_norm_backward(table, weight, rstd, grad_normed, grad_h, ids=ids,
-                                                            table_gradient=target)
-            if target is not None:
-                grad_table = None   # already the table's .grad (RowTrackedGradient.target_for)
+            grad_table, _, grad_weight = _rms_norm_backward(table, weight, rstd, grad_normed, grad_h, ids=ids)
         else:
             if grad_normed is None:   # only the looked-up rows were used: grad_h is their gradient
                 rows = grad_h.reshape(-1, table.shape[1])
@@ -723,7 +702,7 @@ class EmbeddingRMSNormFunction(torch.autograd.Function):
                                                          out=grad_table)
         grad_table = grad_table if ctx.needs_input_grad[1] else None
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None and ctx.needs_input_grad[2] else None
-        return None, grad_table, grad_weight, None, None, None, None
+        return None, grad_table, grad_weight, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -745,20 +724,17 @@ def rms_norm(x, weight, eps=1e-6):
     return add_rms_norm(x, None, weight, eps)[1]
 
 
-def embedding_rms_norm(input_ids, table, weight, eps=1e-6, normed_dtype=None, row_exchange=None,
-                       tracked_gradient=None):
+def embedding_rms_norm(input_ids, table, weight, eps=1e-6, normed_dtype=None, row_exchange=None):
     """Fused `h = table[input_ids]; normed = RMSNorm(h) * weight`. Returns (h, normed), both [..., D].
 
     table: [V, D] (an embedding weight; D <= 8192), weight: [D]. The same function as `embedding_lookup` followed
     by `add_rms_norm(h, None, weight, eps, normed_dtype)`, in one kernel each way. The table's gradient comes from
     atomic additions, so it needs a float32 table: other dtypes take the two separate ops (and no row_exchange,
     with which the table's gradient comes out summed over the ranks: see EmbeddingRMSNormFunction).
-    tracked_gradient: a RowTrackedGradient (../table_gradient.py) that keeps the table's gradient from step to step
-    (float32 tables; ignored under a row_exchange).
     """
     if table.dtype != torch.float32:
         if row_exchange is not None:
             raise ValueError(f"a row exchange needs a float32 table, got {table.dtype}")
         h = embedding_lookup(input_ids, table)
         return h, add_rms_norm(h, None, weight, eps, normed_dtype)[1]
-    return EmbeddingRMSNormFunction.apply(input_ids, table, weight, eps, normed_dtype, row_exchange, tracked_gradient)
+    return EmbeddingRMSNormFunction.apply(input_ids, table, weight, eps, normed_dtype, row_exchange)

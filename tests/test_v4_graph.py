@@ -268,7 +268,8 @@ def test_weight_gradients_on_a_second_stream_equal_autograds(amp, backward_passe
 @pytest.mark.parametrize("backward_passes", [1, 2], ids=["one-backward", "accumulated"])
 def test_16bit_weight_gradients_are_autograds_rounded(backward_passes):
     """Under autocast, the stream's 16-bit weight gradients are autograd's float32 ones rounded to bfloat16 (the
-    16-bit GEMM may sum in another order: within two units of bfloat16's last place). A second backward pass
+    16-bit GEMM may sum in another order: within two units of bfloat16's last place), and so is the output head's,
+    which the fused loss sums in bfloat16 (one rounding a chunk; this batch is one chunk). A second backward pass
     continues in float32, from the first one's 16-bit gradient: its sum carries that rounding only."""
     from tinytransformer.config import ModelConfig
     config = ModelConfig(num_layers=2)
@@ -325,8 +326,9 @@ def test_header_on_the_cpu_says_exact_float32_in_the_interpreter(tf32, monkeypat
 
 
 def test_header_names_the_weight_gradients_dtype_the_optimizer_reads(monkeypatch):
-    """Under autocast in the graph-captured step the second stream writes 16-bit weight gradients, unless
-    --float32-weight-grads or torchrun (whose all-reduces sum float32 gradients) says otherwise."""
+    """Under autocast in the graph-captured step the second stream writes 16-bit weight gradients, and the fused
+    loss the output head's, unless --float32-weight-grads or torchrun (whose all-reduces sum float32 gradients) says
+    otherwise; --float32-head-grad keeps the head's float32 alone."""
     from version4_triton_ultra import tiny_llama_v4 as v4
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(v4, "interpreter_active", lambda: False)

@@ -85,16 +85,19 @@ def test_refuses_two_gradients_or_mixed_16bit_gradients(device):
 
 
 def head_gradients(device, gradients16, backward_passes=1, backward_once=True, autocast_dtype=torch.bfloat16,
-                   chunk_size=8):
-    """(hidden, weight, targets) after backward_passes losses of the fused head (29 rows in chunks of chunk_size)
-    under CPU/GPU autocast to autocast_dtype (None: float32, no autocast), each differentiated once, handing the
-    weight's gradient to the dict gradients16."""
+                   chunk_size=8, losses_per_backward=1, loss_scale=1.0, weight_of=None):
+    """(hidden, weight, targets) after backward_passes backward passes through the fused head (29 rows in chunks of
+    chunk_size) under CPU/GPU autocast to autocast_dtype (None: float32, no autocast), handing the weight's gradient
+    to the dict gradients16. Each pass differentiates loss_scale times the sum of losses_per_backward losses; the
+    head multiplies by weight_of(weight) (default: the weight itself, the leaf)."""
     hidden, weight, targets = make_head_inputs(29, 24, 70, torch.float32, device, seed=171)
     for _ in range(backward_passes):
         with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-            loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=chunk_size,
-                                            backward_once=backward_once, sixteen_bit_gradients=gradients16)
-        loss.backward()
+            losses = [lce.linear_cross_entropy(hidden, weight if weight_of is None else weight_of(weight), targets,
+                                               chunk_size=chunk_size, backward_once=backward_once,
+                                               sixteen_bit_gradients=gradients16)
+                      for _ in range(losses_per_backward)]
+        (loss_scale * sum(losses)).backward()
     return hidden, weight, targets
 
 
@@ -125,27 +128,62 @@ def test_a_second_backward_pass_adds_the_heads_gradients_in_float32(device):
     assert relative_error(weight.grad, 2 * once.grad) < 2 ** -7
 
 
-@pytest.mark.parametrize("case", ["float32", "float16", "scaled copies"])
+@pytest.mark.parametrize("case", ["float32", "float16", "scaled copies", "not a leaf"])
 def test_head_gradient_stays_float32_where_it_is_not_summed_in_bfloat16(case, device):
-    """Only a bfloat16 step that differentiates its loss once sums the head's gradient in bfloat16: in float32 there
-    is nothing to gain, float16's is divided by n_valid in the backward pass (a second rounding), and a graph kept
-    for a second backward needs the float32 sum it scales copies of. There the dict stays empty."""
+    """Only a bfloat16 step that differentiates its loss once sums the head's gradient in bfloat16, for the leaf
+    weight the dict is keyed by: in float32 there is nothing to gain, float16's is divided by n_valid in the backward
+    pass (a second rounding), a graph kept for a second backward needs the float32 sum it scales copies of, and a
+    weight computed from the parameter must pass its gradient on through autograd. There the dict stays empty and
+    .grad is the float32 sum, bit for bit the one without the dict."""
     if case == "float16" and device.type == "cpu":
         pytest.skip("CPU autocast takes bfloat16 only")
-    gradients16 = {}
     dtype = {"float32": None, "float16": torch.float16}.get(case, torch.bfloat16)
-    _, weight, _ = head_gradients(device, gradients16, backward_once=case != "scaled copies", autocast_dtype=dtype)
+    flags = dict(backward_once=case != "scaled copies", autocast_dtype=dtype,
+                 weight_of=(lambda w: w * 1.0) if case == "not a leaf" else None)
+    gradients16 = {}
+    _, weight, _ = head_gradients(device, gradients16, **flags)
+    _, without_dict, _ = head_gradients(device, None, **flags)
     assert gradients16 == {} and weight.grad.dtype == torch.float32
+    assert torch.equal(weight.grad, without_dict.grad)
+
+
+def test_two_losses_in_one_backward_pass_add_up(device):
+    """Two losses of the head differentiated together: the first backward to reach the head puts its bfloat16 sum
+    in the dict, the second finds it there and moves it, widened, into .grad beside its own: nothing lost."""
+    gradients16 = {}
+    _, weight, _ = head_gradients(device, gradients16, losses_per_backward=2)
+    _, once, _ = head_gradients(device, None)
+    assert gradients16 == {} and relative_error(weight.grad, 2 * once.grad) < 2 ** -7
+
+
+def test_a_scaled_loss_scales_the_16bit_gradient_once(device):
+    gradients16 = {}
+    _, weight, _ = head_gradients(device, gradients16, loss_scale=3.0)
+    _, once, _ = head_gradients(device, None)
+    assert weight.grad is None and relative_error(gradients16[weight], 3 * once.grad) < 2 ** -7
+
+
+def test_a_gradient_in_both_places_is_refused(device):
+    """A float32 .grad set beside a 16-bit gradient in the dict: the head cannot tell which to add to."""
+    gradients16 = {}
+    _, weight, _ = head_gradients(device, gradients16)
+    weight.grad = torch.zeros_like(weight)
+    hidden, _, targets = make_head_inputs(29, 24, 70, torch.float32, device, seed=171)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = lce.linear_cross_entropy(hidden, weight, targets, chunk_size=8, backward_once=True,
+                                        sixteen_bit_gradients=gradients16)
+    with pytest.raises(ValueError, match="two gradients"):
+        loss.backward()
 
 
 @pytest.mark.gpu
 def test_graphed_step_with_16bit_weight_gradients_trains_like_the_eager_step():
     """The graph's default under autocast: the projections' and the head's weight gradients in bfloat16 (the eager
     step's float32 ones rounded; the 16-bit GEMM may also sum in another order), read by TritonAdamW as they are.
-    Adam's update is normalised: where a gradient is nearly zero, its sign may differ between the two GEMMs and that weight then
-    moves by up to the learning rate the other way (a few elements in ten thousand). So each weight's difference
-    from the eager run is measured against how far the eager run moved it: a few percent at most, where a gradient
-    lost or misread would make it as large as the move itself."""
+    Adam's update is normalised: where a gradient is nearly zero, its sign may differ between the two GEMMs and
+    that weight then moves by up to the learning rate the other way (a few elements in ten thousand). So each
+    weight's difference from the eager run is measured against how far the eager run moved it: a few percent at
+    most, where a gradient lost or misread would make it as large as the move itself."""
     from version4_triton_ultra.tiny_llama_v4 import TinyLlama
     runs = {graphed: train_frozen_embedding(graphed, num_layers=5, amp_dtype="bfloat16") for graphed in (True, False)}
     graphed = runs[True]

@@ -102,7 +102,7 @@ def parse_args(argv, prog: str = "profile_graphed_step.py"):
     steps here under its own name)."""
     # The training script's switches between each fusion and the form it replaces.
     from version4_triton_ultra.tiny_llama_v4 import (add_attention_arguments, add_launch_arguments, add_rope_arguments,
-                                                     add_swiglu_arguments, add_weight_gradient_dtype_argument)
+                                                     add_swiglu_arguments, add_weight_gradient_dtype_arguments)
     parser = OneLineParser(prog=prog,
                            description="Median time and kernel table of version 4's graph-captured step.")
     parser.add_argument("--preset", choices=available_presets(),
@@ -115,7 +115,7 @@ def parse_args(argv, prog: str = "profile_graphed_step.py"):
                         help="weight-gradient GEMMs on the main stream (default: on a second stream)")
     parser.add_argument("--equal-stream-priority", action="store_true",
                         help="the main stream at the second stream's priority (default: above it)")
-    add_weight_gradient_dtype_argument(parser)
+    add_weight_gradient_dtype_arguments(parser)
     add_rope_arguments(parser)
     add_swiglu_arguments(parser)
     add_attention_arguments(parser)

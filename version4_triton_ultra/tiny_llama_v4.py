@@ -493,7 +493,7 @@ def add_arguments(group):
     group.add_argument("--equal-stream-priority", action="store_true",
                        help="in the graph-captured step, give the main stream no priority over the second one "
                             "(to measure what the priority saves)")
-    add_weight_gradient_dtype_argument(group)
+    add_weight_gradient_dtype_arguments(group)
     add_rope_arguments(group)
     add_swiglu_arguments(group)
     add_attention_arguments(group)
@@ -509,7 +509,7 @@ def add_arguments(group):
                             "auto (the default): rows while ranks x tokens per rank <= vocabulary size")
 
 
-def add_weight_gradient_dtype_argument(parser):
+def add_weight_gradient_dtype_arguments(parser):
     parser.add_argument("--float32-weight-grads", dest="sixteen_bit_weight_grads", action="store_false",
                         default=True,
                         help="in the graph-captured step under autocast, write the projections' weight gradients in "

@@ -62,7 +62,8 @@ MAX_BLOCK_V = 4096
 # warps and 347 with 16, h200_cross_entropy_whole_row.json.)
 MAX_WARPS = 8
 # Default chunk: this many bytes of logits. Each chunk after the first also adds a [V, D] float32 matmul
-# result into grad_weight. Where the GEMM cannot add it itself (accumulate_matmul: float32 operands use addmm_,
+# result into grad_weight (or, summed in bfloat16 for the optimizer's dict, a 16-bit one: the module docstring).
+# Where the GEMM cannot add it itself (accumulate_matmul: float32 operands use addmm_,
 # 16-bit ones on a GPU torch.addmm's float32 output; the rest, and the runs measured here, a separate add) that
 # is one element-wise kernel reading 2 and writing 1 such array, whatever the chunk's length. At the medium preset
 # with --use-amp (8192 tokens, V = 32000, D = 1024, bfloat16) that is 393 MB, ~120 us at the H100's 3.35 TB/s.
@@ -78,10 +79,10 @@ CHUNK_ROW_MULTIPLE = 64
 # where values of about 1 / (V * n_valid) do not underflow (the module docstring). float16's gradient is divided in
 # the backward pass instead.
 DIVIDED_IN_FORWARD = (torch.float32, torch.bfloat16)
-# The compute dtypes whose weight gradient may be summed in that dtype (`sixteen_bit_gradients`): those divided in
-# the forward pass, so that the backward pass leaves the sum as it is (float16's would be divided there, rounding
-# the sum a second time).
-SUMMED_IN_COMPUTE_DTYPE = tuple(d for d in DIVIDED_IN_FORWARD if d != torch.float32)
+# The compute dtypes whose weight gradient may be summed in that dtype (`sixteen_bit_gradients`). bfloat16 only:
+# float32's sum is float32 already, and float16's is divided by n_valid in the backward pass, which would round it
+# again at every step (a bfloat16 sum is scaled there only when grad_output is not exactly 1, e.g. a loss scale).
+SUMMED_IN_COMPUTE_DTYPE = (torch.bfloat16,)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -395,13 +396,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         weight_c = weight16 if weight16 is not None and weight16.dtype == dtype else weight.to(dtype)
         row_loss = _new_output((n_rows,), torch.float32, hidden.device)
         # The gradients, divided by n_valid already where the dtype allows (see the module docstring):
-        # grad_hidden in the compute dtype, grad_weight summed over chunks in float32.
+        # grad_hidden in the compute dtype, grad_weight summed over chunks in float32, or in bfloat16 for the dict
+        # of 16-bit gradients where that is the weight's first gradient (weight_in_16_bits; _hand_over).
         divided = compute_grad and dtype in DIVIDED_IN_FORWARD
         grad_scale = inverse_count(targets, ignore_index) if divided else None
         grad_hidden = _new_output(hidden_c.shape, dtype, hidden.device) if want_grad_hidden else None
         grad_weight = None   # summed over the chunks, in float32 or (weight_in_16_bits) in the compute dtype
+        # A leaf only: the dict is keyed by the parameter itself (a weight computed from one, say p * 1.0, would
+        # take its gradient into the dict and away from p).
         weight_in_16_bits = (want_grad_weight and backward_once and sixteen_bit_gradients is not None
-                             and _first_gradient(weight, sixteen_bit_gradients) and dtype in SUMMED_IN_COMPUTE_DTYPE)
+                             and weight.is_leaf and _first_gradient(weight, sixteen_bit_gradients)
+                             and dtype in SUMMED_IN_COMPUTE_DTYPE)
 
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for start in range(0, n_rows, chunk_size):
@@ -431,11 +436,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 ctx.save_for_backward(grad_hidden, grad_weight)
             ctx.inv_count = None if divided else inv_n_valid
-            weight_in_16_bits = weight_in_16_bits and grad_weight is not None   # None: no rows, no gradient
-            ctx.dtypes = (hidden.dtype, grad_weight.dtype if weight_in_16_bits else weight.dtype)
-            # With the dict, the backward pass hands the weight's gradient over itself (_hand_over).
+            # The dtype the backward pass scales the weight's gradient in: the sum's own (no gradient without rows).
+            ctx.dtypes = (hidden.dtype, grad_weight.dtype if grad_weight is not None else weight.dtype)
+            # With the dict, the backward pass hands the weight's gradient over itself (_hand_over): a 16-bit sum
+            # into the dict, a float32 one to autograd after widening into .grad any 16-bit one left in the dict.
             ctx.weight = weight
-            ctx.sixteen_bit_gradients = sixteen_bit_gradients if want_grad_weight and backward_once else None
+            ctx.sixteen_bit_gradients = sixteen_bit_gradients if want_grad_weight else None
         return loss
 
     @staticmethod
@@ -555,8 +561,11 @@ def linear_cross_entropy(hidden, weight, targets, chunk_size=None, ignore_index=
     backward_once: the caller differentiates the loss once (a training step); backward then scales the gradients
     in place, touching nothing when grad_output is exactly 1, and refuses a second backward through a graph kept
     with retain_graph=True (see the module docstring).
-    sixteen_bit_gradients: a dict {weight: 16-bit gradient}; with backward_once under bfloat16 autocast, the weight's
-    gradient goes there in bfloat16 instead of into weight.grad (see the module docstring). None: float32 .grad.
+    sixteen_bit_gradients: a dict {weight: 16-bit gradient}. With backward_once, a bfloat16 compute dtype (bfloat16
+    autocast, or bfloat16 hidden) and a leaf weight that has no gradient yet, the weight's gradient is summed in
+    bfloat16 and goes there instead of into weight.grad (see the module docstring); otherwise into weight.grad in
+    float32, where a 16-bit gradient an earlier pass left in the dict is moved first, widened. None: float32 .grad.
+    (A zero_grad(set_to_none=False) leaves zeroed entries in the dict, so every later pass then sums in float32.)
     Returns a float32 scalar equal to F.cross_entropy((hidden @ weight.T).float(), targets).
     """
     n_features = hidden.shape[-1]

@@ -12,7 +12,7 @@ The graph-captured step (graphed_step.py) switches the stream on and makes the e
 """
 import torch
 
-from version4_triton_ultra.kernels.adamw import SIXTEEN_BIT_GRADIENT_DTYPES
+from version4_triton_ultra.kernels.adamw import SIXTEEN_BIT_GRADIENT_DTYPES, refuse_two_gradients
 from version4_triton_ultra.kernels.linear_cross_entropy import accumulate_matmul, matmul_to_float32
 
 
@@ -63,9 +63,7 @@ class WeightGradientStream:
         main = torch.cuda.current_stream(weight.device)
         sixteen_bit = self.sixteen_bit_gradients
         earlier_16_bit = sixteen_bit.pop(weight, None) if sixteen_bit is not None else None
-        if earlier_16_bit is not None and weight.grad is not None:
-            raise ValueError("a weight with two gradients, a float32 .grad and a 16-bit one: clear them first "
-                             "(the optimizer's or the model's zero_grad)")
+        refuse_two_gradients(weight, earlier_16_bit)
         first = weight.grad is None and earlier_16_bit is None   # else a second backward: accumulate
         in_16_bits = (first and sixteen_bit is not None and grad_y.dtype in SIXTEEN_BIT_GRADIENT_DTYPES
                       and x.dtype == grad_y.dtype)

@@ -355,5 +355,5 @@ def make_step(model, optimizer, device, train, args, gradient_sync=None):
                            embedding_grad_sync=args.embedding_grad_sync,
                            main_stream_first=not args.equal_stream_priority,
                            sixteen_bit_weight_gradients=args.sixteen_bit_weight_grads,
-                           sixteen_bit_head_gradient=getattr(args, "sixteen_bit_head_grad", True))
+                           sixteen_bit_head_gradient=args.sixteen_bit_head_grad)
     return EagerStep(model, optimizer, device, train)

@@ -209,9 +209,7 @@ class TritonAdamW(torch.optim.Optimizer):
     def gradient_of(self, param):
         """The parameter's gradient: its float32 .grad, or its 16-bit one in sixteen_bit_gradients, or None."""
         sixteen_bit = self.sixteen_bit_gradients.get(param)
-        if sixteen_bit is not None and param.grad is not None:
-            raise ValueError(f"a parameter of shape {tuple(param.shape)} has two gradients, a float32 .grad and a "
-                             f"16-bit one")
+        refuse_two_gradients(param, sixteen_bit)
         return param.grad if sixteen_bit is None else sixteen_bit
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -308,6 +306,15 @@ class TritonAdamW(torch.optim.Optimizer):
             LR_IN_MEMORY=lr_in_memory, COPY_DTYPE=tables["copy_dtype"], GRAD16_DTYPE=tables["grad16_dtype"],
             BLOCK=tables["block"],
             num_warps=tables["num_warps"], **launch_options(tables["numel"].device))
+
+
+def refuse_two_gradients(param, sixteen_bit_gradient) -> None:
+    """A parameter has a float32 .grad or a 16-bit gradient (sixteen_bit_gradient, from the dict), never both: the
+    one ValueError of every place that reads or adds to them (this optimizer, the weight-gradient stream, the fused
+    loss)."""
+    if sixteen_bit_gradient is not None and param.grad is not None:
+        raise ValueError(f"a parameter of shape {tuple(param.shape)} has two gradients, a float32 .grad and a 16-bit "
+                         f"one: clear them first (the optimizer's or the model's zero_grad)")
 
 
 def clear_16bit_gradients(gradients: dict, params, set_to_none: bool) -> None:

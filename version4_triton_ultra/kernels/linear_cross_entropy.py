@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from tinytransformer.triton_support import interpreter_active, num_warps_for, small_interpreter_blocks
+from version4_triton_ultra.kernels.adamw import refuse_two_gradients
 from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
 
 # Largest block of vocabulary entries one program handles at a time (the row loops over blocks this long).
@@ -487,10 +488,8 @@ def _hand_over(weight, grad_weight, sixteen_bit_gradients):
         sixteen_bit_gradients[weight] = grad_weight
         return None
     earlier = sixteen_bit_gradients.pop(weight, None)
+    refuse_two_gradients(weight, earlier)
     if earlier is not None:
-        if weight.grad is not None:
-            raise ValueError("a weight with two gradients, a float32 .grad and a 16-bit one: clear them first "
-                             "(the optimizer's or the model's zero_grad)")
         weight.grad = earlier.to(torch.float32)
     return grad_weight.to(torch.float32)
 

@@ -215,6 +215,20 @@ def test_rotating_cycles_through_the_calls():
     assert seen == [0, 1, 2, 0, 1, 2, 0]
 
 
+
+def test_runs_take_turns_each_round_starting_one_later():
+    """rounds_in_turns: every run once a round, the first of a round one later each round (no run always first),
+    each run's times in round order; time_interleaved is their median."""
+    from tinytransformer.kernel_bench.graph_timing import rounds_in_turns, time_interleaved
+    order, clock = [], iter(range(100))
+    runs = {name: (lambda name=name: order.append(name) or float(next(clock))) for name in "abc"}
+    times = rounds_in_turns(runs, rounds=4)
+    assert order == list("abc" "bca" "cab" "abc")
+    assert times == {"a": [0.0, 5.0, 7.0, 9.0], "b": [1.0, 3.0, 8.0, 10.0], "c": [2.0, 4.0, 6.0, 11.0]}
+    assert list(times) == ["a", "b", "c"]
+    order.clear()
+    assert time_interleaved(runs, rounds=3) == {"a": 17.0, "b": 15.0, "c": 16.0}
+
 @pytest.fixture
 def fake_timing(monkeypatch):
     """Timing "available" on CPU; do_bench replaced by three calls of the timed function and a fixed 2 us;

@@ -15,7 +15,7 @@ from tinytransformer import triton_support
 from version3_triton.kernels import flash_attention as v3_fa
 from version4_triton_ultra.kernels import flash_attention as fa
 
-from .attention_checks import (TF32_TOLERANCE, TOLERANCE, check_against_reference, check_backward_is_deterministic,
+from .attention_checks import (TOLERANCE, check_against_reference, check_backward_is_deterministic,
                                check_non_contiguous_inputs_and_broadcast_grad, check_packed_against_reference,
                                check_packed_equals_unpacked, fixed_tiles, pack_heads, recording_new_buffer,
                                reference_attention, relative_error, rope_tables, rotate_half, unpack_reference)
@@ -345,70 +345,6 @@ def test_the_tiles_line_describes_the_launches_a_pass_makes(rope_on_load, device
     monkeypatch.setattr(fa, "_launch_config", recording(reported))
     fa.launch_summary(head_dim, dtype, seq_len, device, rope_on_load=rope_on_load)
     assert set(launched) == {"forward", "dq", "dkdv"} and reported == launched
-
-
-# ----------------------------------------------------------------------------------------------------------
-# tune_attention_tiles.py: its float64 check must pass the kernels as they are and catch a wrong answer
-# ----------------------------------------------------------------------------------------------------------
-def test_the_tile_tuners_check_passes_the_kernels_and_catches_a_wrong_answer(device, small_interpreter_blocks):
-    """Small tiles in the interpreter, so the 40-long sequence spans several (and a partial one)."""
-    from version4_triton_ultra import tune_attention_tiles as tune
-    torch.manual_seed(0)
-    problem = tune.Problem(1, 2, 40, 16, torch.float32, device=device)
-    want_out, want_grads = problem.reference()
-    out, lse = problem.forward()
-    grads = problem.backward(out, lse).split(problem.dim, dim=-1)
-    # The tuner's own tolerance: float32 through TF32 on an NVIDIA GPU (the pass's default), exact float32 in the
-    # interpreter. The tests' values, so a tile the tuner passes is one the kernel tests would pass.
-    tolerance = tune.dots_tolerance(torch.float32, device)
-    tf32 = device.type == "cuda" and not triton_support.is_rocm()
-    assert tolerance == (TF32_TOLERANCE if tf32 else TOLERANCE[torch.float32])
-    assert tune.relative_error(out, want_out) < tolerance
-    assert max(tune.relative_error(g, w) for g, w in zip(grads, want_grads)) < tolerance
-    assert tune.relative_error(out * 1.01, want_out) > tolerance   # a 1% error is caught, on a GPU too
-    with_nan = out.clone()
-    with_nan.view(-1)[0] = float("nan")
-    assert tune.relative_error(with_nan, want_out) == math.inf   # and NaN never passes
-
-
-def test_the_tile_tuners_candidates_flag_reads_tiles():
-    """--candidates M,N,W,S: four numbers within what the kernels and both vendors take; anything else is a
-    ValueError that names the expected form (the parser turns it into one line)."""
-    from version4_triton_ultra import tune_attention_tiles as tune
-    assert tune.tiles_of("32,128,4,5") == (32, 128, 4, 5)
-    for bad in ("64,64,4", "64,64,4,2,1", "8,64,4,1", "512,64,4,1", "64,96,4,1", "64,64,3,1", "64,64,4,9", "a,b,c,d"):
-        with pytest.raises(ValueError, match="BLOCK_M,BLOCK_N,WARPS,STAGES"):
-            tune.tiles_of(bad)
-
-
-@pytest.fixture
-def tune_module():
-    """tune_attention_tiles, imported before a test switches the interpreter off (its import checks for a GPU)."""
-    from version4_triton_ultra import tune_attention_tiles
-    return tune_attention_tiles
-
-
-def test_the_tile_tuner_pins_the_other_kernels(tune_module, known_gpu):
-    """--others portable: the kernel being tuned gets the candidate, the others version 3's tiles, also where this
-    GPU's rule would give them Hopper's."""
-    tune = tune_module
-    known_gpu(triton_support.KNOWN_GPUS["sm_90"])
-    device = torch.device("meta")
-    for others, want in ((tune.portable_launch_config, v3_fa._launch_config(128, torch.bfloat16, 1024, "dkdv")),
-                         (fa._launch_config, fa._launch_config(128, torch.bfloat16, 1024, "dkdv", device))):
-        launch_config = tune.with_tiles("dq", (128, 32, 8, 3), others)
-        assert launch_config(128, torch.bfloat16, 1024, "dq", device) == dict(BLOCK_M=128, BLOCK_N=32, num_warps=8,
-                                                                              num_stages=3)
-        assert launch_config(128, torch.bfloat16, 1024, "dkdv", device) == want
-    assert want != v3_fa._launch_config(128, torch.bfloat16, 1024, "dkdv")   # the two rules differ here
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("flags", [[], ["--shape", "8x16"], ["--kernels", "fwd"], ["--others", "v3"],
-                                   ["--candidates", "64,64,4"], ["--candidates", "48,64,4,1"],
-                                   ["--candidates", "64,64,4,0"], ["--candidates", "64,64,32,2"]])
-def test_the_tile_tuner_needs_a_gpu_and_good_flags(flags):
-    assert_refused_in_one_line("tune_attention_tiles.py", flags)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")

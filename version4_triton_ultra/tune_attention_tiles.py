@@ -4,22 +4,35 @@
     python tune_attention_tiles.py --shape 16x16x512 --head-dim 64     (the medium preset's)
     python tune_attention_tiles.py --kernels dq,dkdv --dtype float16
     python tune_attention_tiles.py --others portable                   (the other kernels on version 3's tiles)
+    python tune_attention_tiles.py --in-step medium --kernels dq,dkdv --step-rounds 7
     python tune_attention_tiles.py --shape 16x16x512 --head-dim 64 --kernels dkdv --candidates 32,128,4,3 32,128,4,5
 
 kernels/flash_attention.py launches its three kernels with FIXED tiles, warps and pipeline stages
-(`_launch_config`). This script replaces one kernel's choice at a time (the other two keep theirs), times the
+(`_launch_config`). This script replaces one kernel's choice at a time (the other two keep theirs) and times the
 pass that kernel belongs to (the forward: one kernel; the backward: dq then dk/dv, RoPE rotated back as the
-model's backward does) with the kernel benchmark's median of triton.testing.do_bench, and runs the same pass on a
-one-sequence, two-head problem of the same length against attention computed in float64. A configuration is worth
-adopting only if it is faster AND right: the "error" column is the largest relative error of out (forward) or of
-dq, dk, dv (backward), and "WRONG" marks one above the tolerance the kernel tests use. The first row of each
-kernel is the tiles it runs with now, the others a built-in list per kernel or --candidates (tried for every
-kernel of --kernels). --others says what the kernels not being tuned run with: `current` (the
-module's rule on this GPU) or `portable` (version 3's rule, as they ran when the Hopper tiles were chosen:
-benchmarks/results/kernel_time/h100_attention_tiles_by_shape.json). Needs a GPU (version 3's
-tune_flash_attention.py is the same idea for its kernels, timed from CUDA graphs).
+model's backward does). A configuration is worth adopting only if it is faster AND right: each is run on a
+one-sequence, two-head problem of the same length against attention computed in float64, and the "error" column
+is the largest relative error of out (forward) or of dq, dk, dv (backward); "WRONG" marks one above the tolerance
+the kernel tests use. The first row of each kernel is the tiles it runs with now, the others a built-in list per
+kernel or --candidates (tried for every kernel of --kernels). --others says what the kernels not being tuned run
+with: `current` (the module's rule on this GPU) or `portable` (version 3's rule, as they ran when the Hopper tiles
+were chosen: benchmarks/results/kernel_time/h100_attention_tiles_by_shape.json).
+
+How it times (tinytransformer/kernel_bench/graph_timing.py): each candidate's pass as a CUDA/HIP graph of 10
+passes, the candidates of a kernel replayed in turns, 7 rounds, median. Not triton.testing.do_bench one candidate
+after another: on one H100 the same tiles timed that way twice, a minute apart, gave 151 and 201 us. A pass of the
+kernel alone is not the step, where the kernels before and after it share the L2 cache and the clocks:
+`--in-step PRESET` settles it, as tune_norm_backward.py's does. Version 4's graph-captured step at that preset
+(profile_graphed_step.build_step, bfloat16) is built once under the current tiles and once under each of the two
+fastest right candidates of every kernel of --kernels, and the steps are timed in turns (--step-rounds rounds,
+each the median of 30 replays), with how many rounds each was faster than the current tiles. The preset sets the
+shape (--shape and --head-dim may be left out); a preset whose step takes cuDNN's attention on this GPU
+(fused_layers.vendor_attention_pays) is refused, since these tiles do not run there. --output-json writes every
+row, the machine and the command. Needs a GPU (version 3's tune_flash_attention.py is the same idea for its
+kernels).
 """
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -27,16 +40,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
-from tinytransformer.cli import OneLineParser  # noqa: E402
+from tinytransformer.cli import OneLineParser, command_line, positive_int  # noqa: E402
+from tinytransformer.config import ModelConfig, TrainConfig, available_presets, preset_settings  # noqa: E402
+from tinytransformer.device import software_and_gpu  # noqa: E402
 from tinytransformer.kernel_bench.correctness import dots_tolerance, relative_error  # noqa: E402
-from tinytransformer.kernel_bench.timing import median_ms  # noqa: E402
-from tinytransformer.kernel_bench.tuner_cli import candidates_from_flags, refuse_without_gpu  # noqa: E402
+from tinytransformer.kernel_bench.graph_timing import captured_launches, graph_ms, rounds_in_turns  # noqa: E402
+from tinytransformer.kernel_bench.tuner_cli import (candidates_from_flags, prove_output_json,  # noqa: E402
+                                                  refuse_without_gpu, why_unavailable)
+from tinytransformer.outputs import write_json  # noqa: E402
 from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa: E402
 
 enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
 
+from version4_triton_ultra.fused_layers import vendor_attention_pays  # noqa: E402
 from version4_triton_ultra.kernels import flash_attention as fa  # noqa: E402
 
+PASSES_PER_GRAPH = 10
+ROUNDS = 7
+STEP_CANDIDATES_PER_KERNEL = 2   # the fastest right candidates of each kernel that --in-step times in the step
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); for dk/dv BLOCK_N is the keys a program owns, BLOCK_M the query step.
 CANDIDATES = {
@@ -65,8 +86,9 @@ def tiles_of(text: str) -> tuple:
 
 def parse_args(argv):
     parser = OneLineParser(prog="tune_attention_tiles.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="8x16x1024", help="batch x heads x sequence [8x16x1024]")
-    parser.add_argument("--head-dim", type=int, choices=fa.SUPPORTED_HEAD_DIMS, default=128)
+    parser.add_argument("--shape", help="batch x heads x sequence [8x16x1024, or --in-step's preset's]")
+    parser.add_argument("--head-dim", type=int, choices=fa.SUPPORTED_HEAD_DIMS,
+                        help="[128, or --in-step's preset's]")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--kernels", default="forward,dq,dkdv", help="comma-separated, from forward,dq,dkdv [all]")
     parser.add_argument("--others", choices=["current", "portable"], default="current",
@@ -74,18 +96,59 @@ def parse_args(argv):
     parser.add_argument("--candidates", nargs="+", metavar="M,N,W,S",
                         help="tiles to try for every kernel of --kernels: BLOCK_M,BLOCK_N,WARPS,STAGES (for dk/dv "
                              "BLOCK_N is the keys a program owns, BLOCK_M the query step) [a built-in list per kernel]")
+    parser.add_argument("--in-step", choices=available_presets(), metavar="PRESET",
+                        help="also time version 4's step at this preset (bfloat16) under the current tiles and the "
+                             f"{STEP_CANDIDATES_PER_KERNEL} fastest right candidates of each kernel")
+    parser.add_argument("--step-rounds", type=positive_int, default=5,
+                        help="interleaved rounds of the steps timed by --in-step [5]")
+    parser.add_argument("--output-json", help="also write every row, the machine and the command here")
     args = parser.parse_args(argv)
     args.candidates = candidates_from_flags(parser, args.candidates, tiles_of, [])
-    parts = args.shape.lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        parser.error(f"--shape: expected BATCHxHEADSxSEQ (e.g. 8x16x1024), got {args.shape!r}")
-    args.batch, args.heads, args.seq_len = (int(p) for p in parts)
     args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = [k for k in args.kernels if k not in CANDIDATES]
     if unknown or not args.kernels:
         parser.error(f"--kernels: choose from forward,dq,dkdv (got {args.kernels!r})")
+    problem = choose_shape(args)
+    if problem:
+        parser.error(problem)
+    prove_output_json(parser, args.output_json)
     refuse_without_gpu(parser)
+    if args.in_step and vendor_attention_pays(torch.device("cuda"), DTYPES[args.dtype], args.head_dim):
+        parser.error(f"--in-step {args.in_step}: version 4's step takes cuDNN's attention at head dim "
+                     f"{args.head_dim} on this GPU (fused_layers.vendor_attention_pays), so these tiles do not run "
+                     "in it")
     return args
+
+
+def preset_attention_shape(preset: str) -> tuple:
+    """(batch, heads, sequence, head dim) of the attention in a preset's training step."""
+    model_fields, train_fields = preset_settings(preset)
+    model, train = ModelConfig(**model_fields), TrainConfig(**train_fields)   # a field left out takes its default
+    return train.batch_size, model.num_heads, train.seq_len, model.head_dim
+
+
+def choose_shape(args) -> str | None:
+    """Sets args.batch, heads, seq_len and head_dim from --shape and --head-dim, or from --in-step's preset where they
+    are left out; the one-line problem with the flags, or None. With --in-step the timed step is the preset's, so
+    the flags may only repeat its shape, and its dtype is bfloat16."""
+    if args.in_step:
+        batch, heads, seq_len, head_dim = preset_attention_shape(args.in_step)
+        preset_shape = f"{batch}x{heads}x{seq_len}"
+        if args.shape not in (None, preset_shape) or args.head_dim not in (None, head_dim):
+            return (f"--in-step {args.in_step}: its attention is {preset_shape} (batch x heads x sequence) at head dim "
+                    f"{head_dim}; drop --shape and --head-dim, or give those")
+        if head_dim not in fa.SUPPORTED_HEAD_DIMS:
+            return f"--in-step {args.in_step}: head dim {head_dim} is not one the attention kernels take"
+        if args.dtype != "bfloat16":
+            return f"--in-step: version 4's step runs under bfloat16 autocast; drop --dtype {args.dtype}"
+        args.shape, args.head_dim = preset_shape, head_dim
+    args.shape = args.shape or "8x16x1024"
+    args.head_dim = args.head_dim or 128
+    parts = args.shape.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        return f"--shape: expected BATCHxHEADSxSEQ (e.g. 8x16x1024), got {args.shape!r}"
+    args.batch, args.heads, args.seq_len = (int(p) for p in parts)
+    return None
 
 
 def rope_tables(seq_len, head_dim, device):
@@ -149,17 +212,112 @@ def with_tiles(kernel, tiles, others):
     return launch_config
 
 
-def measure(kernel, timed, checked, reference):
-    """(microseconds, largest relative error) of the pass `kernel` belongs to, under the current _launch_config."""
+def pass_error(kernel, checked, reference) -> float:
+    """The largest relative error against float64 of the pass `kernel` belongs to, under the current _launch_config:
+    of out for the forward, of dq, dk and dv for the backward."""
+    out, lse = checked.forward()
     if kernel == "forward":
-        us = 1000.0 * median_ms(timed.forward)
-        out, _ = checked.forward()
-        return us, relative_error(out, reference[0])
-    out, lse = timed.forward()
-    us = 1000.0 * median_ms(lambda: timed.backward(out, lse))
-    small_out, small_lse = checked.forward()
-    grads = checked.backward(small_out, small_lse).split(checked.dim, dim=-1)
-    return us, max(relative_error(g, r) for g, r in zip(grads, reference[1]))
+        return relative_error(out, reference[0])
+    grads = checked.backward(out, lse).split(checked.dim, dim=-1)
+    return max(relative_error(g, r) for g, r in zip(grads, reference[1]))
+
+
+def pass_graph(kernel, timed, forward_output):
+    """A graph of PASSES_PER_GRAPH passes of the one `kernel` belongs to, captured under the current _launch_config
+    (a graph keeps the launches it records). The backward reads `forward_output`, (out, lse) of one forward pass."""
+    if kernel == "forward":
+        return captured_launches(timed.forward, PASSES_PER_GRAPH)
+    return captured_launches(lambda: timed.backward(*forward_output), PASSES_PER_GRAPH)
+
+
+def label(tiles) -> str:
+    return "{}x{} w{} s{}".format(*tiles)
+
+
+def tile_rows(kernel, args, problems, others) -> list[dict]:
+    """One row per tiles tried for `kernel` (its current tiles first): microseconds per pass, error, verdict."""
+    timed, checked, reference, forward_output, tolerance = problems
+    original = fa._launch_config
+    current = original(args.head_dim, DTYPES[args.dtype], args.seq_len, kernel)
+    current_tiles = (current["BLOCK_M"], current["BLOCK_N"], current["num_warps"], current["num_stages"])
+    candidates = args.candidates or CANDIDATES[kernel]
+    rows, graphs = [], {}
+    for tiles in [current_tiles] + [t for t in candidates if t != current_tiles]:
+        row = {"kernel": kernel, "tiles": label(tiles), "BLOCK_M": tiles[0], "BLOCK_N": tiles[1],
+               "num_warps": tiles[2], "num_stages": tiles[3], "current": tiles == current_tiles}
+        fa._launch_config = with_tiles(kernel, tiles, others)
+        try:
+            row["relative_error"] = pass_error(kernel, checked, reference)
+            row["check"] = "ok" if row["relative_error"] < tolerance else "WRONG"
+            graphs[row["tiles"]] = pass_graph(kernel, timed, forward_output)
+        except Exception as why:   # noqa: BLE001 - a config this GPU cannot compile or run is not a candidate
+            row["fails"] = why_unavailable(why)
+        finally:
+            fa._launch_config = original
+        rows.append(row)
+    times = rounds_in_turns({name: (lambda g=g: graph_ms(g)) for name, g in graphs.items()}, ROUNDS)
+    for row in rows:
+        if row["tiles"] in times:
+            row["pass_us"] = 1000.0 * statistics.median(times[row["tiles"]]) / PASSES_PER_GRAPH
+    return rows
+
+
+def fastest_right_candidates(rows: list[dict], count: int = STEP_CANDIDATES_PER_KERNEL) -> list[dict]:
+    """The `count` fastest rows that are not the current tiles, ran, and passed the float64 check."""
+    right = [row for row in rows if not row["current"] and row.get("check") == "ok" and "pass_us" in row]
+    return sorted(right, key=lambda row: row["pass_us"])[:count]
+
+
+def time_in_step(preset: str, chosen: list[dict], rounds: int) -> dict:
+    """{name: [ms of each round]}: version 4's step at `preset` (bfloat16) under the current tiles ("current") and
+    under each chosen row's tiles for its kernel, built and captured once each, then timed in turns."""
+    from version4_triton_ultra import profile_graphed_step
+    step_args = profile_graphed_step.parse_args(["--preset", preset, "--use-amp"])
+    original = fa._launch_config
+    forms = {"current": original}
+    forms.update({f"{row['kernel']} {row['tiles']}": with_tiles(row["kernel"], tuple(
+        row[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")), original) for row in chosen})
+    steps = {}
+    for name, launch_config in forms.items():
+        fa._launch_config = launch_config   # the launches are recorded when the step is captured
+        try:
+            step, inputs, targets = profile_graphed_step.build_step(step_args)
+            for _ in range(6):   # eager warm-up steps and the capture
+                step(inputs, targets)
+        finally:
+            fa._launch_config = original
+        steps[name] = (step, inputs, targets)
+    torch.cuda.synchronize()
+    # Each turn: 20 untimed replays, then the median of 30 (profile_graphed_step's timing).
+    return rounds_in_turns({name: (lambda s=s: profile_graphed_step.median_step_ms(*s, steps=30))
+                            for name, s in steps.items()}, rounds)
+
+
+def step_rows(times: dict) -> list[dict]:
+    """One row per step form: its median, its ratio to the current tiles' and the rounds it was faster in."""
+    reference = times["current"]
+    return [{"form": name, "median_step_ms": statistics.median(rounds), "rounds_ms": rounds,
+             "relative_to_current": statistics.median(rounds) / statistics.median(reference),
+             "rounds_faster_than_current": sum(mine < theirs for mine, theirs in zip(rounds, reference))}
+            for name, rounds in times.items()]
+
+
+def print_tile_rows(rows: list[dict]) -> None:
+    for row in rows:
+        name = row["tiles"] + ("  (current)" if row["current"] else "")
+        if "fails" in row:
+            shown = f"fails: {row['fails'][:80]}"
+        else:
+            shown = f"{row['pass_us']:9.1f} us  error {row['relative_error']:.1e}  {row['check']}"
+        print(f"{row['kernel']:<8} {name:<24} {shown}", flush=True)
+
+
+def print_step_rows(rows: list[dict], preset: str, rounds: int) -> None:
+    print(f"version 4's step at the {preset} preset (bfloat16): median of {rounds} interleaved rounds, each the "
+          "median of 30 replays")
+    for row in rows:
+        print(f"{row['form']:<24} {row['median_step_ms']:8.3f} ms {row['relative_to_current']:7.4f}x  faster than "
+              f"current in {row['rounds_faster_than_current']} of {rounds} rounds")
 
 
 def main(argv=None) -> int:
@@ -169,29 +327,33 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     timed = Problem(args.batch, args.heads, args.seq_len, args.head_dim, dtype)
     checked = Problem(1, 2, args.seq_len, args.head_dim, dtype)
-    reference = checked.reference()
-    print(f"{torch.cuda.get_device_name()}: {args.shape}, head dim {args.head_dim}, {args.dtype}, causal; "
-          f"us per call of the pass (do_bench's median); error against float64 (tolerance "
-          f"{tolerance:.0e})")
-    original = fa._launch_config
-    others = portable_launch_config if args.others == "portable" else original
-    print(f"the kernels not being tuned run with the {args.others} tiles")
+    problems = (timed, checked, checked.reference(), timed.forward(), tolerance)
+    print(f"{torch.cuda.get_device_name()}: {args.shape}, head dim {args.head_dim}, {args.dtype}, causal; us per "
+          f"pass (graph of {PASSES_PER_GRAPH}, median of {ROUNDS} interleaved rounds); error against float64 "
+          f"(tolerance {tolerance:.0e}); the kernels not being tuned run with the {args.others} tiles")
+    others = portable_launch_config if args.others == "portable" else fa._launch_config
+    rows = []
     for kernel in args.kernels:
-        current = original(args.head_dim, dtype, args.seq_len, kernel)
-        current_tiles = (current["BLOCK_M"], current["BLOCK_N"], current["num_warps"], current["num_stages"])
-        candidates = args.candidates or CANDIDATES[kernel]
-        for tiles in [current_tiles] + [t for t in candidates if t != current_tiles]:
-            fa._launch_config = with_tiles(kernel, tiles, others)
-            try:
-                us, error = measure(kernel, timed, checked, reference)
-                verdict = "ok" if error < tolerance else "WRONG"
-                shown = f"{us:9.1f} us  error {error:.1e}  {verdict}"
-            except Exception as why:   # noqa: BLE001 - a config this GPU cannot compile or run is not a candidate
-                shown = f"fails: {str(why).splitlines()[0][:80]}"
-            finally:
-                fa._launch_config = original
-            name = "{}x{} w{} s{}".format(*tiles) + ("  (current)" if tiles == current_tiles else "")
-            print(f"{kernel:<8} {name:<24} {shown}", flush=True)
+        rows += tile_rows(kernel, args, problems, others)
+        print_tile_rows([row for row in rows if row["kernel"] == kernel])
+    steps = []
+    if args.in_step:
+        del problems, timed   # their memory, before whole steps are built
+        torch.cuda.empty_cache()
+        chosen = [row for kernel in args.kernels
+                  for row in fastest_right_candidates([r for r in rows if r["kernel"] == kernel])]
+        steps = step_rows(time_in_step(args.in_step, chosen, args.step_rounds))
+        print_step_rows(steps, args.in_step, args.step_rounds)
+    if args.output_json:
+        write_json(args.output_json, {
+            "benchmark": "version 4's flash-attention passes under candidate tiles, one kernel's tiles changed at a "
+                         f"time, graphs of {PASSES_PER_GRAPH} passes, median of {ROUNDS} interleaved rounds"
+                         + (f"; then version 4's {args.in_step} step under the fastest" if args.in_step else ""),
+            "command": "python version4_triton_ultra/" + command_line("tune_attention_tiles.py", argv),
+            "environment": software_and_gpu(), "dtype": args.dtype, "others": args.others,
+            "shape": {"batch": args.batch, "heads": args.heads, "seq_len": args.seq_len, "head_dim": args.head_dim},
+            "results": rows, "in_step": {"preset": args.in_step, "rounds": args.step_rounds, "rows": steps}})
+        print(f"results: {args.output_json}")
     return 0
 
 

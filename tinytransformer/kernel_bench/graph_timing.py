@@ -5,7 +5,7 @@ kernel takes on the GPU, so a timer per call (triton.testing.do_bench) may measu
 the launches run back to back on the GPU, and one replay timed with device events divided by the number of
 launches is the kernel's own time. The candidates of a tuner take turns (time_interleaved), so that a clock
 change or a neighbour slows every candidate of a round, not one. The tuners of version 4
-(tune_norm_backward.py, tune_qk_rotation.py, tune_adamw.py, tune_cross_entropy.py) and
+(tune_norm_backward.py, tune_qk_rotation.py, tune_adamw.py, tune_cross_entropy.py, tune_attention_tiles.py) and
 compare_attention_backends.py time this way.
 """
 from __future__ import annotations
@@ -46,13 +46,22 @@ def graph_ms(graph: torch.cuda.CUDAGraph) -> float:
     return start.elapsed_time(end)
 
 
+def rounds_in_turns(runs: dict, rounds: int) -> dict:
+    """{name: [run()'s milliseconds in each round]}, the runs taking turns within each round. Each round starts one
+    run later than the round before, so that no run is always the first after a pause (which may find the clocks
+    lower) or always the one after a given neighbour."""
+    names = list(runs)
+    times = {name: [] for name in names}
+    for round_index in range(rounds):
+        start = round_index % len(names) if names else 0
+        for name in names[start:] + names[:start]:
+            times[name].append(runs[name]())
+    return times
+
+
 def time_interleaved(runs: dict, rounds: int) -> dict:
-    """{name: median over rounds of run()'s milliseconds}, the runs taking turns within each round."""
-    times = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            times[name].append(run())
-    return {name: statistics.median(values) for name, values in times.items()}
+    """{name: median over rounds of run()'s milliseconds}, the runs taking turns (rounds_in_turns)."""
+    return {name: statistics.median(values) for name, values in rounds_in_turns(runs, rounds).items()}
 
 
 def buffer_count(bytes_read: int) -> int:

@@ -1,0 +1,155 @@
+"""Tests of version4_triton_ultra/tune_attention_tiles.py, the tuner of the flash-attention kernels' tiles: its
+float64 check, its flags, which tiles it hands to the step it times (--in-step), and its refusals. The timings
+themselves need a GPU; what decides from them (the fastest right candidates, the step's table) is tested here on
+rows made up for the purpose."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tinytransformer import triton_support
+from version3_triton.kernels import flash_attention as v3_fa
+from version4_triton_ultra.kernels import flash_attention as fa
+
+from .attention_checks import TF32_TOLERANCE, TOLERANCE
+from .script_checks import assert_refused_in_one_line
+
+
+@pytest.fixture
+def tune_module():
+    """tune_attention_tiles, imported before a test switches the interpreter off (its import checks for a GPU)."""
+    from version4_triton_ultra import tune_attention_tiles
+    return tune_attention_tiles
+
+
+def test_the_tile_tuners_check_passes_the_kernels_and_catches_a_wrong_answer(device, small_interpreter_blocks):
+    """Small tiles in the interpreter, so the 40-long sequence spans several (and a partial one)."""
+    from version4_triton_ultra import tune_attention_tiles as tune
+    torch.manual_seed(0)
+    problem = tune.Problem(1, 2, 40, 16, torch.float32, device=device)
+    want_out, want_grads = problem.reference()
+    out, lse = problem.forward()
+    grads = problem.backward(out, lse).split(problem.dim, dim=-1)
+    # The tuner's own tolerance: float32 through TF32 on an NVIDIA GPU (the pass's default), exact float32 in the
+    # interpreter. The tests' values, so a tile the tuner passes is one the kernel tests would pass.
+    tolerance = tune.dots_tolerance(torch.float32, device)
+    tf32 = device.type == "cuda" and not triton_support.is_rocm()
+    assert tolerance == (TF32_TOLERANCE if tf32 else TOLERANCE[torch.float32])
+    assert tune.relative_error(out, want_out) < tolerance
+    assert max(tune.relative_error(g, w) for g, w in zip(grads, want_grads)) < tolerance
+    assert tune.relative_error(out * 1.01, want_out) > tolerance   # a 1% error is caught, on a GPU too
+    with_nan = out.clone()
+    with_nan.view(-1)[0] = float("nan")
+    assert tune.relative_error(with_nan, want_out) == math.inf   # and NaN never passes
+
+
+def test_the_pass_error_is_the_largest_of_the_pass_it_times(tune_module, device, small_interpreter_blocks):
+    """pass_error: the forward's error is out's, the backward's the largest of dq, dk and dv; a wrong dv alone
+    makes the backward's error, not the forward's."""
+    tune = tune_module
+    torch.manual_seed(0)
+    problem = tune.Problem(1, 2, 40, 16, torch.float32, device=device)
+    reference = problem.reference()
+    tolerance = tune.dots_tolerance(torch.float32, device)
+    assert tune.pass_error("forward", problem, reference) < tolerance
+    assert tune.pass_error("dq", problem, reference) < tolerance
+    out, grads = reference
+    wrong_dv = (out, [grads[0], grads[1], grads[2] * 1.05])
+    assert tune.pass_error("forward", problem, wrong_dv) < tolerance
+    assert tune.pass_error("dkdv", problem, wrong_dv) > tolerance
+
+
+def test_the_tile_tuners_candidates_flag_reads_tiles():
+    """--candidates M,N,W,S: four numbers within what the kernels and both vendors take; anything else is a
+    ValueError that names the expected form (the parser turns it into one line)."""
+    from version4_triton_ultra import tune_attention_tiles as tune
+    assert tune.tiles_of("32,128,4,5") == (32, 128, 4, 5)
+    for bad in ("64,64,4", "64,64,4,2,1", "8,64,4,1", "512,64,4,1", "64,96,4,1", "64,64,3,1", "64,64,4,9", "a,b,c,d"):
+        with pytest.raises(ValueError, match="BLOCK_M,BLOCK_N,WARPS,STAGES"):
+            tune.tiles_of(bad)
+
+
+def test_the_tile_tuner_pins_the_other_kernels(tune_module, known_gpu):
+    """--others portable: the kernel being tuned gets the candidate, the others version 3's tiles, also where this
+    GPU's rule would give them Hopper's."""
+    tune = tune_module
+    known_gpu(triton_support.KNOWN_GPUS["sm_90"])
+    device = torch.device("meta")
+    for others, want in ((tune.portable_launch_config, v3_fa._launch_config(128, torch.bfloat16, 1024, "dkdv")),
+                         (fa._launch_config, fa._launch_config(128, torch.bfloat16, 1024, "dkdv", device))):
+        launch_config = tune.with_tiles("dq", (128, 32, 8, 3), others)
+        assert launch_config(128, torch.bfloat16, 1024, "dq", device) == dict(BLOCK_M=128, BLOCK_N=32, num_warps=8,
+                                                                              num_stages=3)
+        assert launch_config(128, torch.bfloat16, 1024, "dkdv", device) == want
+    assert want != v3_fa._launch_config(128, torch.bfloat16, 1024, "dkdv")   # the two rules differ here
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --in-step: the preset's shape, and the tiles it takes into the step
+# ----------------------------------------------------------------------------------------------------------
+def shape_flags(**given):
+    flags = dict(in_step=None, shape=None, head_dim=None, dtype="bfloat16")
+    flags.update(given)
+    return SimpleNamespace(**flags)
+
+
+def test_in_step_takes_the_presets_attention_shape(tune_module):
+    """The medium preset: batch 16, 16 heads, sequence 512, head dim 1024 / 16 = 64 (configs/medium.yaml); the
+    flags may repeat it; without --in-step the defaults stay the large shape's."""
+    tune = tune_module
+    assert tune.preset_attention_shape("medium") == (16, 16, 512, 64)
+    for given in ({}, {"shape": "16x16x512", "head_dim": 64}):
+        args = shape_flags(in_step="medium", **given)
+        assert tune.choose_shape(args) is None
+        assert (args.batch, args.heads, args.seq_len, args.head_dim) == (16, 16, 512, 64)
+    args = shape_flags()
+    assert tune.choose_shape(args) is None
+    assert (args.batch, args.heads, args.seq_len, args.head_dim) == (8, 16, 1024, 128)
+
+
+@pytest.mark.parametrize("given, says", [({"shape": "8x16x512"}, "its attention is 16x16x512"),
+                                         ({"head_dim": 128}, "at head dim 64"),
+                                         ({"dtype": "float16"}, "bfloat16 autocast")])
+def test_in_step_refuses_a_shape_or_dtype_the_step_does_not_have(tune_module, given, says):
+    assert says in tune_module.choose_shape(shape_flags(in_step="medium", **given))
+
+
+def tile_row(kernel, tiles, us=None, current=False, check="ok"):
+    row = {"kernel": kernel, "tiles": tiles, "current": current, "check": check}
+    if us is not None:
+        row["pass_us"] = us
+    return row
+
+
+def test_the_step_gets_the_fastest_right_candidates_only():
+    """Not the current tiles (the step's reference), not a WRONG one however fast, not one that failed to run."""
+    from version4_triton_ultra import tune_attention_tiles as tune
+    rows = [tile_row("dq", "64x64 w4 s2", 150.0, current=True), tile_row("dq", "a", 160.0),
+            tile_row("dq", "b", 100.0, check="WRONG"), tile_row("dq", "c", 155.0), tile_row("dq", "d"),
+            tile_row("dq", "e", 149.0)]
+    rows[4]["fails"] = "out of resources"
+    assert [row["tiles"] for row in tune.fastest_right_candidates(rows)] == ["e", "c"]
+    assert [row["tiles"] for row in tune.fastest_right_candidates(rows, count=5)] == ["e", "c", "a"]
+
+
+def test_the_steps_table_compares_each_round_with_the_current_tiles():
+    from version4_triton_ultra import tune_attention_tiles as tune
+    rows = tune.step_rows({"current": [10.0, 10.2, 10.1], "dq 64x32 w4 s4": [9.9, 10.3, 10.0]})
+    assert rows[0]["relative_to_current"] == 1.0 and rows[0]["rounds_faster_than_current"] == 0
+    assert rows[1]["median_step_ms"] == 10.0
+    assert rows[1]["relative_to_current"] == pytest.approx(10.0 / 10.1)
+    assert rows[1]["rounds_faster_than_current"] == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("flags", [[], ["--shape", "8x16"], ["--kernels", "fwd"], ["--others", "v3"],
+                                   ["--candidates", "64,64,4"], ["--candidates", "48,64,4,1"],
+                                   ["--candidates", "64,64,4,0"], ["--candidates", "64,64,32,2"],
+                                   ["--in-step", "huge"], ["--in-step", "medium", "--head-dim", "128"],
+                                   ["--in-step", "small", "--dtype", "float32"], ["--step-rounds", "0"],
+                                   ["--output-json", "/dev/null/x.json"]])
+def test_the_tile_tuner_needs_a_gpu_and_good_flags(flags):
+    """One line and exit 2; a flag's own problem is named before the missing GPU."""
+    message = assert_refused_in_one_line("tune_attention_tiles.py", flags)
+    assert ("needs a GPU" in message) == (flags == [])

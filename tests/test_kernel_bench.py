@@ -215,7 +215,6 @@ def test_rotating_cycles_through_the_calls():
     assert seen == [0, 1, 2, 0, 1, 2, 0]
 
 
-
 def test_runs_take_turns_each_round_starting_one_later():
     """rounds_in_turns: every run once a round, the first of a round one later each round (no run always first),
     each run's times in round order; time_interleaved is their median."""
@@ -228,6 +227,7 @@ def test_runs_take_turns_each_round_starting_one_later():
     assert list(times) == ["a", "b", "c"]
     order.clear()
     assert time_interleaved(runs, rounds=3) == {"a": 17.0, "b": 15.0, "c": 16.0}
+
 
 @pytest.fixture
 def fake_timing(monkeypatch):

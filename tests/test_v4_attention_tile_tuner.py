@@ -133,13 +133,105 @@ def test_the_step_gets_the_fastest_right_candidates_only():
     assert [row["tiles"] for row in tune.fastest_right_candidates(rows, count=5)] == ["e", "c", "a"]
 
 
-def test_the_steps_table_compares_each_round_with_the_current_tiles():
+def test_the_steps_table_compares_each_round_with_the_current_tiles_of_that_round():
+    """Round by round: the candidate is faster in rounds 2 (10.3 against 10.4) and 3 (10.05 against 10.1), not in
+    round 1; against the current tiles' median (10.1) only one of its rounds would be."""
     from version4_triton_ultra import tune_attention_tiles as tune
-    rows = tune.step_rows({"current": [10.0, 10.2, 10.1], "dq 64x32 w4 s4": [9.9, 10.3, 10.0]})
+    rows = tune.step_rows({"current": [10.0, 10.4, 10.1], "dq 64x32 w4 s4": [10.2, 10.3, 10.05]})
     assert rows[0]["relative_to_current"] == 1.0 and rows[0]["rounds_faster_than_current"] == 0
-    assert rows[1]["median_step_ms"] == 10.0
-    assert rows[1]["relative_to_current"] == pytest.approx(10.0 / 10.1)
+    assert rows[1]["median_step_ms"] == 10.2
+    assert rows[1]["relative_to_current"] == pytest.approx(10.2 / 10.1)
     assert rows[1]["rounds_faster_than_current"] == 2
+
+
+def test_each_candidate_is_captured_under_its_own_tiles_and_the_rule_comes_back(tune_module, monkeypatch):
+    """tile_rows, its GPU calls replaced: the current tiles come first; each candidate's graph is captured while
+    _launch_config gives that candidate for the tuned kernel (and the rule for the others); a candidate whose check
+    raises is a row that says why and is not timed; a pass's microseconds are a graph's milliseconds over its
+    passes; and the module's rule is back afterwards, also after the failure."""
+    tune = tune_module
+    rule = fa._launch_config
+    captured = {}
+
+    def fake_capture(run, launches):
+        tuned = fa._launch_config(64, torch.float16, 128, "dq")
+        untouched = fa._launch_config(64, torch.float16, 128, "dkdv")
+        key = tune.label((tuned["BLOCK_M"], tuned["BLOCK_N"], tuned["num_warps"], tuned["num_stages"]))
+        captured[key] = untouched == rule(64, torch.float16, 128, "dkdv")
+        return key
+
+    def fake_error(kernel, checked, reference):
+        if fa._launch_config(64, torch.float16, 128, kernel)["BLOCK_M"] == 16:
+            raise RuntimeError("out of resources: shared memory\nmore")
+        return 1e-3
+
+    monkeypatch.setattr(tune, "captured_launches", fake_capture)
+    monkeypatch.setattr(tune, "pass_error", fake_error)
+    monkeypatch.setattr(tune, "graph_ms", lambda graph: {"64x32 w4 s4": 1.2}.get(graph, 1.5))
+    args = SimpleNamespace(head_dim=64, dtype="float16", seq_len=128, candidates=[(64, 32, 4, 4), (16, 64, 4, 1)])
+    problems = tune.Problems(None, None, None, None, tolerance=2e-2)
+    rows = tune.tile_rows("dq", args, problems, rule)
+    assert fa._launch_config is rule
+    current = rule(64, torch.float16, 128, "dq")
+    assert rows[0]["current"] and rows[0]["tiles"] == tune.label(tune.row_tiles(rows[0]))
+    assert tune.row_tiles(rows[0]) == (current["BLOCK_M"], current["BLOCK_N"], current["num_warps"],
+                                       current["num_stages"])
+    assert [row["tiles"] for row in rows[1:]] == ["64x32 w4 s4", "16x64 w4 s1"]
+    assert captured == {rows[0]["tiles"]: True, "64x32 w4 s4": True}
+    assert rows[1]["pass_us"] == pytest.approx(1000 * 1.2 / tune.PASSES_PER_GRAPH) and rows[1]["check"] == "ok"
+    assert rows[2]["fails"] == "out of resources: shared memory" and "pass_us" not in rows[2]
+
+
+def test_each_step_is_built_and_captured_under_its_tiles(tune_module, monkeypatch):
+    """time_in_step, the step replaced by a recorder: the current step under the module's rule, each chosen row's
+    step under its tiles for its kernel only, from the build through the warm-up calls that capture it; the rule is
+    back afterwards; a step that does not fit in memory is one line naming the way out."""
+    from version4_triton_ultra import profile_graphed_step
+    tune = tune_module
+    rule = fa._launch_config
+    seen = []
+
+    def fake_build(step_args):
+        tiles = lambda kernel: fa._launch_config(64, torch.float16, 128, kernel)  # noqa: E731
+        seen.append(("build", tiles("dq"), tiles("dkdv")))
+        return (lambda inputs, targets: seen.append(("call", tiles("dq"), tiles("dkdv")))), None, None
+
+    monkeypatch.setattr(profile_graphed_step, "build_step", fake_build)
+    monkeypatch.setattr(profile_graphed_step, "median_step_ms", lambda *step, steps: 10.0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)   # no GPU to wait for
+    chosen = [dict(kernel="dq", tiles="64x32 w4 s4", BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4)]
+    times = tune.time_in_step(SimpleNamespace(preset="medium"), chosen, rounds=2)
+    assert times == {"current": [10.0, 10.0], "dq 64x32 w4 s4": [10.0, 10.0]}
+    assert fa._launch_config is rule
+    assert len(seen) == 2 * 7   # each step: its build and six calls
+    current = (rule(64, torch.float16, 128, "dq"), rule(64, torch.float16, 128, "dkdv"))
+    assert all(record[1:] == current for record in seen[:7])
+    want = (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4), current[1])
+    assert all(record[1:] == want for record in seen[7:])
+
+    def no_memory(step_args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(profile_graphed_step, "build_step", no_memory)
+    with pytest.raises(tune.ConfigError, match="does not hold 2 steps of the medium preset"):
+        tune.time_in_step(SimpleNamespace(preset="medium"), chosen, rounds=2)
+    assert fa._launch_config is rule
+
+
+def test_repeated_kernels_and_candidates_are_tried_once(tune_module, monkeypatch):
+    tune = tune_module
+    monkeypatch.setattr(tune, "refuse_without_gpu", lambda parser: None)
+    args = tune.parse_args(["--kernels", "dq,dkdv,dq", "--candidates", "64,32,4,4", "32,64,4,1", "64,32,4,4"])
+    assert args.kernels == ["dq", "dkdv"] and args.candidates == [(64, 32, 4, 4), (32, 64, 4, 1)]
+
+
+def test_in_step_is_refused_where_the_step_takes_cudnns_attention(tune_module, monkeypatch, capsys):
+    tune = tune_module
+    monkeypatch.setattr(tune, "refuse_without_gpu", lambda parser: None)
+    monkeypatch.setattr(tune, "vendor_attention_pays", lambda device, dtype, head_dim: head_dim >= 128)
+    with pytest.raises(SystemExit) as stop:
+        tune.parse_args(["--in-step", "large"])
+    assert stop.value.code == 2 and "takes cuDNN's attention at head dim 128" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
@@ -148,6 +240,8 @@ def test_the_steps_table_compares_each_round_with_the_current_tiles():
                                    ["--candidates", "64,64,4,0"], ["--candidates", "64,64,32,2"],
                                    ["--in-step", "huge"], ["--in-step", "medium", "--head-dim", "128"],
                                    ["--in-step", "small", "--dtype", "float32"], ["--step-rounds", "0"],
+                                   ["--in-step", "medium", "--others", "portable"], ["--shape", "1x1x\u00b2"],
+                                   ["--shape", "70000x1x64", "--head-dim", "64"], ["--shape", "1x1x20000"],
                                    ["--output-json", "/dev/null/x.json"]])
 def test_the_tile_tuner_needs_a_gpu_and_good_flags(flags):
     """One line and exit 2; a flag's own problem is named before the missing GPU."""

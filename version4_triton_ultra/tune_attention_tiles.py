@@ -35,13 +35,15 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
-from tinytransformer.cli import OneLineParser, command_line, positive_int  # noqa: E402
-from tinytransformer.config import ModelConfig, TrainConfig, available_presets, preset_settings  # noqa: E402
+from tinytransformer.cli import OneLineParser, command_line, positive_int, run_command  # noqa: E402
+from tinytransformer.config import (ConfigError, ModelConfig, TrainConfig, available_presets,  # noqa: E402
+                                   preset_settings)
 from tinytransformer.device import software_and_gpu  # noqa: E402
 from tinytransformer.kernel_bench.correctness import dots_tolerance, relative_error  # noqa: E402
 from tinytransformer.kernel_bench.graph_timing import captured_launches, graph_ms, rounds_in_turns  # noqa: E402
@@ -58,6 +60,9 @@ from version4_triton_ultra.kernels import flash_attention as fa  # noqa: E402
 PASSES_PER_GRAPH = 10
 ROUNDS = 7
 STEP_CANDIDATES_PER_KERNEL = 2   # the fastest right candidates of each kernel that --in-step times in the step
+# The float64 check computes a [S, S] score matrix per head (two heads) with autograd: a few such tensors of 8-byte
+# values, about 8 GB at this length.
+MAX_CHECKED_SEQ_LEN = 16384
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); for dk/dv BLOCK_N is the keys a program owns, BLOCK_M the query step.
 CANDIDATES = {
@@ -75,7 +80,7 @@ def tiles_of(text: str) -> tuple:
     Blocks are powers of two from 16 (the smallest tile tl.dot takes) to 256, warps a power of two up to 16 (the
     most wavefronts of 64 an AMD workgroup holds), stages 1 to 8."""
     parts = text.split(",")
-    if len(parts) == 4 and all(p.isdigit() for p in parts):
+    if len(parts) == 4 and all(p.isdecimal() for p in parts):
         block_m, block_n, warps, stages = (int(p) for p in parts)
         blocks_ok = all(16 <= b <= 256 and b & (b - 1) == 0 for b in (block_m, block_n))
         if blocks_ok and 1 <= warps <= 16 and warps & (warps - 1) == 0 and 1 <= stages <= 8:
@@ -103,20 +108,28 @@ def parse_args(argv):
                         help="interleaved rounds of the steps timed by --in-step [5]")
     parser.add_argument("--output-json", help="also write every row, the machine and the command here")
     args = parser.parse_args(argv)
-    args.candidates = candidates_from_flags(parser, args.candidates, tiles_of, [])
-    args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    # Each kernel and each candidate once: a repeat would be timed twice under one name.
+    args.candidates = list(dict.fromkeys(candidates_from_flags(parser, args.candidates, tiles_of, [])))
+    args.kernels = list(dict.fromkeys(k.strip() for k in args.kernels.split(",") if k.strip()))
     unknown = [k for k in args.kernels if k not in CANDIDATES]
     if unknown or not args.kernels:
         parser.error(f"--kernels: choose from forward,dq,dkdv (got {args.kernels!r})")
+    if args.in_step and args.others == "portable":
+        parser.error("--in-step: version 4's step runs the kernels not being tuned on this GPU's tiles, so its "
+                     "candidates are chosen that way too; drop --others portable")
     problem = choose_shape(args)
     if problem:
         parser.error(problem)
     prove_output_json(parser, args.output_json)
     refuse_without_gpu(parser)
-    if args.in_step and vendor_attention_pays(torch.device("cuda"), DTYPES[args.dtype], args.head_dim):
-        parser.error(f"--in-step {args.in_step}: version 4's step takes cuDNN's attention at head dim "
-                     f"{args.head_dim} on this GPU (fused_layers.vendor_attention_pays), so these tiles do not run "
-                     "in it")
+    if args.in_step:
+        if vendor_attention_pays(torch.device("cuda"), DTYPES[args.dtype], args.head_dim):
+            parser.error(f"--in-step {args.in_step}: version 4's step takes cuDNN's attention at head dim "
+                         f"{args.head_dim} on this GPU (fused_layers.vendor_attention_pays), so these tiles do not "
+                         "run in it")
+        # The step's own flags, checked now rather than after minutes of timing the kernels.
+        from version4_triton_ultra import profile_graphed_step
+        args.step_args = profile_graphed_step.parse_args(["--preset", args.in_step, "--use-amp"], prog=parser.prog)
     return args
 
 
@@ -134,7 +147,7 @@ def choose_shape(args) -> str | None:
     if args.in_step:
         batch, heads, seq_len, head_dim = preset_attention_shape(args.in_step)
         preset_shape = f"{batch}x{heads}x{seq_len}"
-        if args.shape not in (None, preset_shape) or args.head_dim not in (None, head_dim):
+        if (args.shape or preset_shape).lower() != preset_shape or args.head_dim not in (None, head_dim):
             return (f"--in-step {args.in_step}: its attention is {preset_shape} (batch x heads x sequence) at head dim "
                     f"{head_dim}; drop --shape and --head-dim, or give those")
         if head_dim not in fa.SUPPORTED_HEAD_DIMS:
@@ -145,10 +158,14 @@ def choose_shape(args) -> str | None:
     args.shape = args.shape or "8x16x1024"
     args.head_dim = args.head_dim or 128
     parts = args.shape.lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    if len(parts) != 3 or not all(p.isdecimal() and int(p) > 0 for p in parts):
         return f"--shape: expected BATCHxHEADSxSEQ (e.g. 8x16x1024), got {args.shape!r}"
     args.batch, args.heads, args.seq_len = (int(p) for p in parts)
-    return None
+    if args.seq_len > MAX_CHECKED_SEQ_LEN:
+        return (f"--shape: sequences of at most {MAX_CHECKED_SEQ_LEN} (the float64 check builds the S x S scores), "
+                f"got {args.seq_len}")
+    problem = fa.shape_problem(args.batch * args.heads, args.seq_len, args.head_dim, 3 * args.heads * args.head_dim)
+    return f"--shape {args.shape} at head dim {args.head_dim}: {problem}" if problem else None
 
 
 def rope_tables(seq_len, head_dim, device):
@@ -212,6 +229,16 @@ def with_tiles(kernel, tiles, others):
     return launch_config
 
 
+class Problems(NamedTuple):
+    """What every candidate of a kernel is run on: the timed problem and the forward output its backward reads,
+    the small checked problem with its float64 reference, and the dtype's tolerance."""
+    timed: Problem
+    forward_output: tuple
+    checked: Problem
+    reference: tuple
+    tolerance: float
+
+
 def pass_error(kernel, checked, reference) -> float:
     """The largest relative error against float64 of the pass `kernel` belongs to, under the current _launch_config:
     of out for the forward, of dq, dk and dv for the backward."""
@@ -234,9 +261,13 @@ def label(tiles) -> str:
     return "{}x{} w{} s{}".format(*tiles)
 
 
-def tile_rows(kernel, args, problems, others) -> list[dict]:
+def row_tiles(row: dict) -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a row of tile_rows."""
+    return row["BLOCK_M"], row["BLOCK_N"], row["num_warps"], row["num_stages"]
+
+
+def tile_rows(kernel, args, problems: Problems, others) -> list[dict]:
     """One row per tiles tried for `kernel` (its current tiles first): microseconds per pass, error, verdict."""
-    timed, checked, reference, forward_output, tolerance = problems
     original = fa._launch_config
     current = original(args.head_dim, DTYPES[args.dtype], args.seq_len, kernel)
     current_tiles = (current["BLOCK_M"], current["BLOCK_N"], current["num_warps"], current["num_stages"])
@@ -247,9 +278,9 @@ def tile_rows(kernel, args, problems, others) -> list[dict]:
                "num_warps": tiles[2], "num_stages": tiles[3], "current": tiles == current_tiles}
         fa._launch_config = with_tiles(kernel, tiles, others)
         try:
-            row["relative_error"] = pass_error(kernel, checked, reference)
-            row["check"] = "ok" if row["relative_error"] < tolerance else "WRONG"
-            graphs[row["tiles"]] = pass_graph(kernel, timed, forward_output)
+            row["relative_error"] = pass_error(kernel, problems.checked, problems.reference)
+            row["check"] = "ok" if row["relative_error"] < problems.tolerance else "WRONG"
+            graphs[row["tiles"]] = pass_graph(kernel, problems.timed, problems.forward_output)
         except Exception as why:   # noqa: BLE001 - a config this GPU cannot compile or run is not a candidate
             row["fails"] = why_unavailable(why)
         finally:
@@ -268,15 +299,15 @@ def fastest_right_candidates(rows: list[dict], count: int = STEP_CANDIDATES_PER_
     return sorted(right, key=lambda row: row["pass_us"])[:count]
 
 
-def time_in_step(preset: str, chosen: list[dict], rounds: int) -> dict:
-    """{name: [ms of each round]}: version 4's step at `preset` (bfloat16) under the current tiles ("current") and
-    under each chosen row's tiles for its kernel, built and captured once each, then timed in turns."""
+def time_in_step(step_args, chosen: list[dict], rounds: int) -> dict:
+    """{name: [ms of each round]}: version 4's step (profile_graphed_step's `step_args`) under the current tiles
+    ("current") and under each chosen row's tiles for its kernel, built and captured once each, then timed in
+    turns. Every step keeps its model, optimizer state and graph on the GPU until the timing ends."""
     from version4_triton_ultra import profile_graphed_step
-    step_args = profile_graphed_step.parse_args(["--preset", preset, "--use-amp"])
     original = fa._launch_config
     forms = {"current": original}
-    forms.update({f"{row['kernel']} {row['tiles']}": with_tiles(row["kernel"], tuple(
-        row[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")), original) for row in chosen})
+    forms.update({f"{row['kernel']} {row['tiles']}": with_tiles(row["kernel"], row_tiles(row), original)
+                  for row in chosen})
     steps = {}
     for name, launch_config in forms.items():
         fa._launch_config = launch_config   # the launches are recorded when the step is captured
@@ -284,6 +315,10 @@ def time_in_step(preset: str, chosen: list[dict], rounds: int) -> dict:
             step, inputs, targets = profile_graphed_step.build_step(step_args)
             for _ in range(6):   # eager warm-up steps and the capture
                 step(inputs, targets)
+        except torch.cuda.OutOfMemoryError:
+            raise ConfigError(f"the GPU's memory does not hold {len(forms)} steps of the {step_args.preset} preset "
+                              "at once (each keeps its model, optimizer state and graph); pass fewer --kernels "
+                              "(the tile rows are written already where --output-json is given)") from None
         finally:
             fa._launch_config = original
         steps[name] = (step, inputs, targets)
@@ -320,14 +355,34 @@ def print_step_rows(rows: list[dict], preset: str, rounds: int) -> None:
               f"current in {row['rounds_faster_than_current']} of {rounds} rounds")
 
 
+def write_results(args, argv, rows: list[dict], steps: list[dict] | None) -> None:
+    """--output-json: every tile row, and with --in-step the step's rows (None until they are timed)."""
+    benchmark = (f"version 4's flash-attention passes under candidate tiles, one kernel's tiles changed at a time, "
+                 f"graphs of {PASSES_PER_GRAPH} passes, median of {ROUNDS} interleaved rounds")
+    if args.in_step:
+        benchmark += (f"; then version 4's {args.in_step} step under the current tiles and the "
+                      f"{STEP_CANDIDATES_PER_KERNEL} fastest right candidates of each kernel, in turns")
+    in_step = {"preset": args.in_step, "rounds": args.step_rounds, "rows": steps} if args.in_step else None
+    write_json(args.output_json, {
+        "benchmark": benchmark,
+        "command": "python version4_triton_ultra/" + command_line("tune_attention_tiles.py", argv),
+        "environment": software_and_gpu(), "dtype": args.dtype, "others": args.others,
+        "shape": {"batch": args.batch, "heads": args.heads, "seq_len": args.seq_len, "head_dim": args.head_dim},
+        "results": rows, "in_step": in_step})
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    return run_command("tune_attention_tiles.py", lambda: tune(args, argv))
+
+
+def tune(args, argv) -> int:
     dtype = DTYPES[args.dtype]
     tolerance = dots_tolerance(dtype, torch.device("cuda"))   # float32 through TF32 on NVIDIA, as the kernels run
     torch.manual_seed(0)
     timed = Problem(args.batch, args.heads, args.seq_len, args.head_dim, dtype)
     checked = Problem(1, 2, args.seq_len, args.head_dim, dtype)
-    problems = (timed, checked, checked.reference(), timed.forward(), tolerance)
+    problems = Problems(timed, timed.forward(), checked, checked.reference(), tolerance)
     print(f"{torch.cuda.get_device_name()}: {args.shape}, head dim {args.head_dim}, {args.dtype}, causal; us per "
           f"pass (graph of {PASSES_PER_GRAPH}, median of {ROUNDS} interleaved rounds); error against float64 "
           f"(tolerance {tolerance:.0e}); the kernels not being tuned run with the {args.others} tiles")
@@ -336,23 +391,18 @@ def main(argv=None) -> int:
     for kernel in args.kernels:
         rows += tile_rows(kernel, args, problems, others)
         print_tile_rows([row for row in rows if row["kernel"] == kernel])
-    steps = []
+    if args.output_json:   # now, so that the tile rows survive a step that does not fit
+        write_results(args, argv, rows, None)
     if args.in_step:
         del problems, timed   # their memory, before whole steps are built
         torch.cuda.empty_cache()
         chosen = [row for kernel in args.kernels
                   for row in fastest_right_candidates([r for r in rows if r["kernel"] == kernel])]
-        steps = step_rows(time_in_step(args.in_step, chosen, args.step_rounds))
+        steps = step_rows(time_in_step(args.step_args, chosen, args.step_rounds))
         print_step_rows(steps, args.in_step, args.step_rounds)
+        if args.output_json:
+            write_results(args, argv, rows, steps)
     if args.output_json:
-        write_json(args.output_json, {
-            "benchmark": "version 4's flash-attention passes under candidate tiles, one kernel's tiles changed at a "
-                         f"time, graphs of {PASSES_PER_GRAPH} passes, median of {ROUNDS} interleaved rounds"
-                         + (f"; then version 4's {args.in_step} step under the fastest" if args.in_step else ""),
-            "command": "python version4_triton_ultra/" + command_line("tune_attention_tiles.py", argv),
-            "environment": software_and_gpu(), "dtype": args.dtype, "others": args.others,
-            "shape": {"batch": args.batch, "heads": args.heads, "seq_len": args.seq_len, "head_dim": args.head_dim},
-            "results": rows, "in_step": {"preset": args.in_step, "rounds": args.step_rounds, "rows": steps}})
         print(f"results: {args.output_json}")
     return 0
 

@@ -40,13 +40,14 @@ from tinytransformer.triton_support import enable_interpreter_if_no_gpu  # noqa:
 enable_interpreter_if_no_gpu()  # before the kernels import triton (without a GPU this script stops at its checks)
 
 from tinytransformer.device import software_and_gpu  # noqa: E402
+from tinytransformer.kernel_bench.correctness import relative_error  # noqa: E402
 from tinytransformer.kernel_bench.graph_timing import captured_launches, graph_ms, time_interleaved  # noqa: E402
 from tinytransformer.kernel_bench.tuner_cli import (prove_output_json, refuse_without_gpu,  # noqa: E402
                                                   why_unavailable)
 from version3_triton.kernels.rope import rope_tables  # noqa: E402
 from version4_triton_ultra.kernels.flash_attention import (packed_attention_backward,  # noqa: E402
                                                            packed_attention_forward)
-from version4_triton_ultra.tune_attention_tiles import relative_error, rotate  # noqa: E402
+from version4_triton_ultra.attention_check_problem import rotate  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # Relative error of out and of the gradient, as the kernel tests allow (float32, which the tests use, through TF32).

@@ -30,6 +30,7 @@ from tinytransformer.cli import OneLineParser, command_line, positive_int, run_c
 from tinytransformer.config import ConfigError  # noqa: E402
 from tinytransformer.cublas_workspace import describe_cublas_workspace  # noqa: E402
 from tinytransformer.device import software_and_gpu  # noqa: E402
+from tinytransformer.kernel_bench.graph_timing import rounds_in_turns  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
 from tinytransformer.paths import prove_output_file  # noqa: E402
 
@@ -79,7 +80,7 @@ def parse_args(argv):
 
 def time_forms(form_args: dict, rounds: int, steps: int) -> dict:
     """{form: [median step ms of each round]}: every form built, warmed up and captured first, then timed in turns.
-    Each round starts one form later than the round before, so that no form always comes first."""
+    Each round starts one form later than the round before (rounds_in_turns), so that no form always comes first."""
     import torch
     from version4_triton_ultra import profile_graphed_step
     try:
@@ -90,14 +91,8 @@ def time_forms(form_args: dict, rounds: int, steps: int) -> dict:
     except torch.cuda.OutOfMemoryError:
         raise ConfigError(f"the GPU's memory does not hold {len(form_args)} forms of this step at once (each keeps "
                           f"its model, optimizer state and graph); compare fewer --forms per run") from None
-    forms = list(built)
-    times = {form: [] for form in forms}
-    for round_index in range(rounds):
-        start = round_index % len(forms)
-        for form in forms[start:] + forms[:start]:
-            step, inputs, targets = built[form]
-            times[form].append(profile_graphed_step.median_step_ms(step, inputs, targets, steps=steps))
-    return times
+    return rounds_in_turns({form: (lambda s=s: profile_graphed_step.median_step_ms(*s, steps=steps))
+                            for form, s in built.items()}, rounds)
 
 
 def report(times: dict) -> list[dict]:

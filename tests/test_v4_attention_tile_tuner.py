@@ -1,7 +1,7 @@
 """Tests of version4_triton_ultra/tune_attention_tiles.py, the tuner of the flash-attention kernels' tiles: its
 float64 check, its flags, which tiles it hands to the step it times (--in-step), and its refusals. The timings
-themselves need a GPU; what decides from them (the fastest right candidates, the step's table) is tested here on
-rows made up for the purpose."""
+themselves need a GPU; what decides from them (the fastest right candidates) is tested here on rows made up for
+the purpose, and the step's table with the other step forms' (tests/test_v4_step_forms.py)."""
 import math
 from types import SimpleNamespace
 
@@ -133,17 +133,6 @@ def test_the_step_gets_the_fastest_right_candidates_only():
     assert [row["tiles"] for row in tune.fastest_right_candidates(rows, count=5)] == ["e", "c", "a"]
 
 
-def test_the_steps_table_compares_each_round_with_the_current_tiles_of_that_round():
-    """Round by round: the candidate is faster in rounds 2 (10.3 against 10.4) and 3 (10.05 against 10.1), not in
-    round 1; against the current tiles' median (10.1) only one of its rounds would be."""
-    from version4_triton_ultra import tune_attention_tiles as tune
-    rows = tune.step_rows({"current": [10.0, 10.4, 10.1], "dq 64x32 w4 s4": [10.2, 10.3, 10.05]})
-    assert rows[0]["relative_to_current"] == 1.0 and rows[0]["rounds_faster_than_current"] == 0
-    assert rows[1]["median_step_ms"] == 10.2
-    assert rows[1]["relative_to_current"] == pytest.approx(10.2 / 10.1)
-    assert rows[1]["rounds_faster_than_current"] == 2
-
-
 def test_each_candidate_is_captured_under_its_own_tiles_and_the_rule_comes_back(tune_module, monkeypatch):
     """tile_rows, its GPU calls replaced: the current tiles come first; each candidate's graph is captured while
     _launch_config gives that candidate for the tuned kernel (and the rule for the others); a candidate whose check
@@ -184,36 +173,39 @@ def test_each_candidate_is_captured_under_its_own_tiles_and_the_rule_comes_back(
 
 def test_each_step_is_built_and_captured_under_its_tiles(tune_module, monkeypatch):
     """time_in_step, the step replaced by a recorder: the current step under the module's rule, each chosen row's
-    step under its tiles for its kernel only, from the build through the warm-up calls that capture it; the rule is
-    back afterwards; a step that does not fit in memory is one line naming the way out."""
+    step under its tiles for its kernel only, from the build through the warm-up call that captures it; the rule is
+    back afterwards, also when a step does not fit in memory, which is one line naming the way out."""
+    from tinytransformer.config import ConfigError
     from version4_triton_ultra import profile_graphed_step
     tune = tune_module
     rule = fa._launch_config
     seen = []
+    tiles = lambda kernel: fa._launch_config(64, torch.float16, 128, kernel)  # noqa: E731
 
     def fake_build(step_args):
-        tiles = lambda kernel: fa._launch_config(64, torch.float16, 128, kernel)  # noqa: E731
         seen.append(("build", tiles("dq"), tiles("dkdv")))
-        return (lambda inputs, targets: seen.append(("call", tiles("dq"), tiles("dkdv")))), None, None
+        return "step", None, None
+
+    def fake_median(step, inputs, targets, steps):   # the capture (steps=1), then the timed replays (30)
+        seen.append(("capture" if steps == 1 else "timed", tiles("dq"), tiles("dkdv")))
+        return 10.0
 
     monkeypatch.setattr(profile_graphed_step, "build_step", fake_build)
-    monkeypatch.setattr(profile_graphed_step, "median_step_ms", lambda *step, steps: 10.0)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)   # no GPU to wait for
+    monkeypatch.setattr(profile_graphed_step, "median_step_ms", fake_median)
     chosen = [dict(kernel="dq", tiles="64x32 w4 s4", BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4)]
     times = tune.time_in_step(SimpleNamespace(preset="medium"), chosen, rounds=2)
     assert times == {"current": [10.0, 10.0], "dq 64x32 w4 s4": [10.0, 10.0]}
     assert fa._launch_config is rule
-    assert len(seen) == 2 * 7   # each step: its build and six calls
     current = (rule(64, torch.float16, 128, "dq"), rule(64, torch.float16, 128, "dkdv"))
-    assert all(record[1:] == current for record in seen[:7])
     want = (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=4), current[1])
-    assert all(record[1:] == want for record in seen[7:])
+    assert seen[:4] == [("build", *current), ("capture", *current), ("build", *want), ("capture", *want)]
+    assert [record[0] for record in seen[4:]] == ["timed"] * 4   # replays of graphs already captured
 
     def no_memory(step_args):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(profile_graphed_step, "build_step", no_memory)
-    with pytest.raises(tune.ConfigError, match="does not hold 2 steps of the medium preset"):
+    with pytest.raises(ConfigError, match="does not hold 2 forms of this step.*pass fewer --kernels"):
         tune.time_in_step(SimpleNamespace(preset="medium"), chosen, rounds=2)
     assert fa._launch_config is rule
 

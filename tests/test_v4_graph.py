@@ -136,8 +136,13 @@ def test_compare_step_forms_captures_each_form_with_its_own_launches(monkeypatch
     and captured with its own setting, whatever the form built last set."""
     from types import SimpleNamespace
     from version4_triton_ultra.compare_step_forms import time_forms
+    from version4_triton_ultra import profile_graphed_step
     from version4_triton_ultra.kernels import programmatic_launch
-    fake_steps(monkeypatch)
+
+    def build(args):   # as build_step does: its form's launch setting, process-wide, left set after the build
+        profile_graphed_step.use_launches_of(args)
+        return args.form, None, None
+    fake_steps(monkeypatch, build)
     captured = {}
 
     def first_call_captures(step, inputs, targets, steps):
@@ -173,6 +178,7 @@ def test_compare_step_forms_reports_each_form_against_the_first():
     assert rows[0]["median_step_ms"] == 11.0 and rows[0]["relative_to_first"] == 1.0
     assert rows[1]["median_step_ms"] == 9.0 and rows[1]["relative_to_first"] == pytest.approx(9.0 / 11.0)
     assert rows[1]["flags"] == ["--separate-rope"] and rows[1]["rounds_ms"] == [9.0, 8.0, 10.0]
+    assert rows[0]["rounds_faster_than_first"] == 0 and rows[1]["rounds_faster_than_first"] == 3
 
 
 @pytest.mark.gpu

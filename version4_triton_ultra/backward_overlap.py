@@ -12,8 +12,9 @@ The graph-captured step (graphed_step.py) switches the stream on and makes the e
 """
 import torch
 
-from version4_triton_ultra.kernels.adamw import SIXTEEN_BIT_GRADIENT_DTYPES, refuse_two_gradients
+from version4_triton_ultra.kernels.adamw import SIXTEEN_BIT_GRADIENT_DTYPES
 from version4_triton_ultra.kernels.linear_cross_entropy import accumulate_matmul, matmul_to_float32
+from version4_triton_ultra.kernels.sixteen_bit_gradients import refuse_two_gradients
 
 
 class WeightGradientStream:

@@ -9,8 +9,9 @@ clock or a neighbour that slows one round slows every form in it. Starting one t
 alternating them works too (the README's SwiGLU table), but each run pays a minute of start-up at the large
 preset; here every form is built once (profile_graphed_step.build_step: the model, its optimizer and its
 GraphedStep, as the training script builds them), warmed up and captured, and then each round times every form
-in turn, each round starting with the next form: the median of --steps replays each, timed with device events.
-The table gives each form's median over the rounds, every round, and its time relative to the first form.
+in turn, each round starting with the next form: the median of --steps replays each, timed with device events
+(step_forms.py, which the tuners of single kernels use too). The table gives each form's median over the rounds,
+its time relative to the first form, the rounds in which it was faster than the first, and every round.
 
 Every form keeps its model, optimizer state and graph on the GPU while the others run (about 23 GB each at the
 large preset in bfloat16). The forms use one fixed batch; their losses are not compared here (the equivalence
@@ -20,17 +21,14 @@ Not a form: `--cublas-workspace` (profile_graphed_step.py's flag, the training s
 its workspace size once per process, so every form here shares it; its two settings are compared by separate runs,
 taking turns (benchmarks/results/kernel_time/h200_v4_cublas_workspace.json).
 """
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser, command_line, positive_int, run_command  # noqa: E402
-from tinytransformer.config import ConfigError  # noqa: E402
 from tinytransformer.cublas_workspace import describe_cublas_workspace  # noqa: E402
 from tinytransformer.device import software_and_gpu  # noqa: E402
-from tinytransformer.kernel_bench.graph_timing import rounds_in_turns  # noqa: E402
 from tinytransformer.outputs import write_json  # noqa: E402
 from tinytransformer.paths import prove_output_file  # noqa: E402
 
@@ -79,31 +77,18 @@ def parse_args(argv):
 
 
 def time_forms(form_args: dict, rounds: int, steps: int) -> dict:
-    """{form: [median step ms of each round]}: every form built, warmed up and captured first, then timed in turns.
-    Each round starts one form later than the round before (rounds_in_turns), so that no form always comes first."""
-    import torch
-    from version4_triton_ultra import profile_graphed_step
-    try:
-        built = {form: profile_graphed_step.build_step(args) for form, args in form_args.items()}
-        for form, (step, inputs, targets) in built.items():
-            profile_graphed_step.use_launches_of(form_args[form])   # the graph keeps the launches it captures
-            profile_graphed_step.median_step_ms(step, inputs, targets, steps=1)   # warm-up replays and the capture
-    except torch.cuda.OutOfMemoryError:
-        raise ConfigError(f"the GPU's memory does not hold {len(form_args)} forms of this step at once (each keeps "
-                          f"its model, optimizer state and graph); compare fewer --forms per run") from None
-    return rounds_in_turns({form: (lambda s=s: profile_graphed_step.median_step_ms(*s, steps=steps))
-                            for form, s in built.items()}, rounds)
+    """{form: [median step ms of each round]}: every form built, warmed up and captured first (each under its own
+    flags: build_step sets the process-wide launch rule of its args before the capture), then timed in turns."""
+    from version4_triton_ultra import step_forms
+    captured = step_forms.capture_forms({form: (args, None) for form, args in form_args.items()},
+                                        fewer="compare fewer --forms per run")
+    return step_forms.time_in_turns(captured, rounds, steps)
 
 
 def report(times: dict) -> list[dict]:
-    """One row per form: its median over the rounds, every round, and the ratio to the first form."""
-    reference = statistics.median(next(iter(times.values())))
-    rows = []
-    for form, rounds in times.items():
-        median = statistics.median(rounds)
-        rows.append({"form": form, "flags": FORMS[form], "median_step_ms": median, "rounds_ms": rounds,
-                     "relative_to_first": median / reference})
-    return rows
+    """step_forms.step_table's rows, each with the flags that select its form."""
+    from version4_triton_ultra import step_forms
+    return [{**row, "flags": FORMS[row["form"]]} for row in step_forms.step_table(times)]
 
 
 def print_table(rows: list[dict], args) -> None:
@@ -114,10 +99,11 @@ def print_table(rows: list[dict], args) -> None:
     workspace = describe_cublas_workspace(on_gpu=True)
     if workspace:
         print(f"cuBLAS workspace (every form): {workspace}")
-    print(f"{'form':<24} {'median ms':>10} {'vs first':>9}  rounds (ms)")
+    print(f"{'form':<24} {'median ms':>10} {'vs first':>9} {'faster':>7}  rounds (ms)")
     for row in rows:
         rounds = " / ".join(f"{ms:.3f}" for ms in row["rounds_ms"])
-        print(f"{row['form']:<24} {row['median_step_ms']:10.3f} {row['relative_to_first']:8.3f}x  {rounds}")
+        faster = f"{row['rounds_faster_than_first']}/{len(row['rounds_ms'])}"
+        print(f"{row['form']:<24} {row['median_step_ms']:10.3f} {row['relative_to_first']:8.3f}x {faster:>7}  {rounds}")
 
 
 def main(argv=None) -> int:

@@ -100,11 +100,12 @@ from version4_triton_ultra.kernels import flash_attention as attention_kernels  
 from version4_triton_ultra.kernels import qk_rotation as rotation_kernels  # noqa: E402
 from version4_triton_ultra.kernels import qkv_rope_gemm as qkv_kernels  # noqa: E402
 from version4_triton_ultra.kernels import swiglu_gemm as ffn_kernels  # noqa: E402
-from version4_triton_ultra.kernels.adamw import TritonAdamW, clear_16bit_gradients  # noqa: E402
+from version4_triton_ultra.kernels.adamw import TritonAdamW  # noqa: E402
 from version4_triton_ultra.kernels.add_rmsnorm import add_rms_norm, embedding_rms_norm  # noqa: E402
 from version4_triton_ultra.kernels.flash_attention import flash_attention_packed  # noqa: E402
 from version4_triton_ultra.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from version4_triton_ultra.kernels.programmatic_launch import set_programmatic_launch  # noqa: E402
+from version4_triton_ultra.kernels.sixteen_bit_gradients import clear_16bit_gradients  # noqa: E402
 
 
 class Projection(nn.Linear):

@@ -31,6 +31,7 @@ shape (--shape and --head-dim may be left out); a preset whose step takes cuDNN'
 row, the machine and the command. Needs a GPU (version 3's tune_flash_attention.py is the same idea for its
 kernels).
 """
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: the shared harness
 
 from tinytransformer.cli import OneLineParser, command_line, positive_int, run_command  # noqa: E402
-from tinytransformer.config import (ConfigError, ModelConfig, TrainConfig, available_presets,  # noqa: E402
+from tinytransformer.config import (ModelConfig, TrainConfig, available_presets,  # noqa: E402
                                    preset_settings)
 from tinytransformer.device import software_and_gpu  # noqa: E402
 from tinytransformer.kernel_bench.correctness import dots_tolerance, relative_error  # noqa: E402
@@ -254,42 +255,29 @@ def fastest_right_candidates(rows: list[dict], count: int = STEP_CANDIDATES_PER_
     return sorted(right, key=lambda row: row["pass_us"])[:count]
 
 
+@contextlib.contextmanager
+def launch_rule(launch_config):
+    """fa._launch_config is `launch_config` inside the block, and the module's own again however the block ends."""
+    original = fa._launch_config
+    fa._launch_config = launch_config
+    try:
+        yield
+    finally:
+        fa._launch_config = original
+
+
 def time_in_step(step_args, chosen: list[dict], rounds: int) -> dict:
     """{name: [ms of each round]}: version 4's step (profile_graphed_step's `step_args`) under the current tiles
-    ("current") and under each chosen row's tiles for its kernel, built and captured once each, then timed in
-    turns. Every step keeps its model, optimizer state and graph on the GPU until the timing ends."""
-    from version4_triton_ultra import profile_graphed_step
-    original = fa._launch_config
-    forms = {"current": original}
-    forms.update({f"{row['kernel']} {row['tiles']}": with_tiles(row["kernel"], row_tiles(row), original)
+    ("current") and under each chosen row's tiles for its kernel, each captured under its tiles, then timed in
+    turns, 30 replays a round (step_forms.py)."""
+    from version4_triton_ultra import step_forms
+    forms = {"current": (step_args, None)}
+    forms.update({f"{row['kernel']} {row['tiles']}":
+                  (step_args, launch_rule(with_tiles(row["kernel"], row_tiles(row), fa._launch_config)))
                   for row in chosen})
-    steps = {}
-    for name, launch_config in forms.items():
-        fa._launch_config = launch_config   # the launches are recorded when the step is captured
-        try:
-            step, inputs, targets = profile_graphed_step.build_step(step_args)
-            for _ in range(6):   # eager warm-up steps and the capture
-                step(inputs, targets)
-        except torch.cuda.OutOfMemoryError:
-            raise ConfigError(f"the GPU's memory does not hold {len(forms)} steps of the {step_args.preset} preset "
-                              "at once (each keeps its model, optimizer state and graph); pass fewer --kernels "
-                              "(the tile rows are written already where --output-json is given)") from None
-        finally:
-            fa._launch_config = original
-        steps[name] = (step, inputs, targets)
-    torch.cuda.synchronize()
-    # Each turn: 20 untimed replays, then the median of 30 (profile_graphed_step's timing).
-    return rounds_in_turns({name: (lambda s=s: profile_graphed_step.median_step_ms(*s, steps=30))
-                            for name, s in steps.items()}, rounds)
-
-
-def step_rows(times: dict) -> list[dict]:
-    """One row per step form: its median, its ratio to the current tiles' and the rounds it was faster in."""
-    reference = times["current"]
-    return [{"form": name, "median_step_ms": statistics.median(rounds), "rounds_ms": rounds,
-             "relative_to_current": statistics.median(rounds) / statistics.median(reference),
-             "rounds_faster_than_current": sum(mine < theirs for mine, theirs in zip(rounds, reference))}
-            for name, rounds in times.items()]
+    captured = step_forms.capture_forms(forms, fewer="pass fewer --kernels (the tile rows are written already "
+                                                     "where --output-json is given)")
+    return step_forms.time_in_turns(captured, rounds, replays=30)
 
 
 def print_tile_rows(rows: list[dict]) -> None:
@@ -306,8 +294,8 @@ def print_step_rows(rows: list[dict], preset: str, rounds: int) -> None:
     print(f"version 4's step at the {preset} preset (bfloat16): median of {rounds} interleaved rounds, each the "
           "median of 30 replays")
     for row in rows:
-        print(f"{row['form']:<24} {row['median_step_ms']:8.3f} ms {row['relative_to_current']:7.4f}x  faster than "
-              f"current in {row['rounds_faster_than_current']} of {rounds} rounds")
+        print(f"{row['form']:<24} {row['median_step_ms']:8.3f} ms {row['relative_to_first']:7.4f}x  faster than "
+              f"current in {row['rounds_faster_than_first']} of {rounds} rounds")
 
 
 def write_results(args, argv, rows: list[dict], steps: list[dict] | None) -> None:
@@ -353,7 +341,8 @@ def tune(args, argv) -> int:
         torch.cuda.empty_cache()
         chosen = [row for kernel in args.kernels
                   for row in fastest_right_candidates([r for r in rows if r["kernel"] == kernel])]
-        steps = step_rows(time_in_step(args.step_args, chosen, args.step_rounds))
+        from version4_triton_ultra import step_forms
+        steps = step_forms.step_table(time_in_step(args.step_args, chosen, args.step_rounds))
         print_step_rows(steps, args.in_step, args.step_rounds)
         if args.output_json:
             write_results(args, argv, rows, steps)

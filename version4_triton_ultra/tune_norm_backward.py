@@ -169,20 +169,14 @@ def label(launch) -> str:
     return f"{rows} rows, {warps} warps, {per_sm}/SM" + ", prefetch" * prefetch + vector_text
 
 
-def time_in_step(preset: str, launches: list, block_d: int, rounds: int = 3) -> dict:
-    from version4_triton_ultra import profile_graphed_step
+def time_in_step(preset: str, launches: list, block_d: int, rounds: int = 3) -> list[dict]:
+    """step_forms.step_table's rows, one per launch (its label the form): version 4's bfloat16 step at `preset`
+    captured under each launch, the first the reference, timed in turns, 30 replays a round (step_forms.py)."""
+    from version4_triton_ultra import profile_graphed_step, step_forms
     args = profile_graphed_step.parse_args(["--preset", preset, "--use-amp"])
-    steps = {}
-    for launch in launches:
-        with Override(block_d, launch):   # the launches are recorded when the step is captured
-            step, inputs, targets = profile_graphed_step.build_step(args)
-            for _ in range(6):   # eager warm-up steps and the capture
-                step(inputs, targets)
-        steps[label(launch)] = (step, inputs, targets)
-    torch.cuda.synchronize()
-    # Each turn: 20 untimed replays, then the median of 30 (profile_graphed_step's timing).
-    return time_interleaved({name: (lambda s=s: profile_graphed_step.median_step_ms(*s, steps=30))
-                             for name, s in steps.items()}, rounds=rounds)
+    captured = step_forms.capture_forms({label(launch): (args, Override(block_d, launch)) for launch in launches},
+                                        fewer="time the launches alone (without --in-step) on this GPU")
+    return step_forms.step_table(step_forms.time_in_turns(captured, rounds, replays=30))
 
 
 def main(argv=None) -> int:
@@ -214,9 +208,10 @@ def main(argv=None) -> int:
                          if name != label(None) and errors[name] < TOLERANCE)[:2]
         chosen = [None] + [launch for launch in args.candidates if label(launch) in {n for _, n in fastest}]
         print(f"version 4's step at the {args.in_step} preset (bfloat16), ms, median of {args.step_rounds} "
-              "interleaved rounds:")
-        for name, ms in time_in_step(args.in_step, chosen, block_d, args.step_rounds).items():
-            print(f"{name:<46} {ms:8.3f} ms")
+              "interleaved rounds of 30 replays, against the rules:")
+        for row in time_in_step(args.in_step, chosen, block_d, args.step_rounds):
+            print(f"{row['form']:<46} {row['median_step_ms']:8.3f} ms {row['relative_to_first']:7.4f}x  faster in "
+                  f"{row['rounds_faster_than_first']} of {args.step_rounds} rounds")
     return 0
 
 

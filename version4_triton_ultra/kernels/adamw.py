@@ -52,6 +52,7 @@ import triton.language as tl
 from tinytransformer.triton_support import interpreter_active, small_interpreter_blocks
 from version4_triton_ultra.kernels.add_rmsnorm import is_last_to_arrive
 from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
+from version4_triton_ultra.kernels.sixteen_bit_gradients import clear_16bit_gradients, refuse_two_gradients
 
 # Elements per program, and warps: 4 elements per thread on NVIDIA (32-thread warps), 2 on AMD CDNA (64-thread
 # wavefronts; not tuned there). Small programs stream best: on an H200, the whole update alone (tune_adamw.py;
@@ -306,25 +307,6 @@ class TritonAdamW(torch.optim.Optimizer):
             LR_IN_MEMORY=lr_in_memory, COPY_DTYPE=tables["copy_dtype"], GRAD16_DTYPE=tables["grad16_dtype"],
             BLOCK=tables["block"],
             num_warps=tables["num_warps"], **launch_options(tables["numel"].device))
-
-
-def refuse_two_gradients(param, sixteen_bit_gradient) -> None:
-    """A parameter has a float32 .grad or a 16-bit gradient (sixteen_bit_gradient, from the dict), never both: the
-    one ValueError of every place that reads or adds to them (this optimizer, the weight-gradient stream, the fused
-    loss)."""
-    if sixteen_bit_gradient is not None and param.grad is not None:
-        raise ValueError(f"a parameter of shape {tuple(param.shape)} has two gradients, a float32 .grad and a 16-bit "
-                         f"one: clear them first (the optimizer's or the model's zero_grad)")
-
-
-def clear_16bit_gradients(gradients: dict, params, set_to_none: bool) -> None:
-    """zero_grad for the 16-bit gradients of these parameters in `gradients` ({parameter: gradient}): dropped, or
-    set to zero."""
-    for param in params:
-        if set_to_none:
-            gradients.pop(param, None)
-        elif param in gradients:
-            gradients[param].zero_()
 
 
 def launch_for(group_elements: int) -> tuple:

@@ -50,8 +50,8 @@ import triton
 import triton.language as tl
 
 from tinytransformer.triton_support import interpreter_active, num_warps_for, small_interpreter_blocks
-from version4_triton_ultra.kernels.adamw import refuse_two_gradients
 from version4_triton_ultra.kernels.programmatic_launch import launch_options, wait_for_previous_kernel
+from version4_triton_ultra.kernels.sixteen_bit_gradients import refuse_two_gradients
 
 # Largest block of vocabulary entries one program handles at a time (the row loops over blocks this long).
 MAX_BLOCK_V = 4096

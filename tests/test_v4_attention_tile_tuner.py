@@ -205,7 +205,7 @@ def test_each_step_is_built_and_captured_under_its_tiles(tune_module, monkeypatc
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(profile_graphed_step, "build_step", no_memory)
-    with pytest.raises(ConfigError, match="does not hold 2 forms of this step.*pass fewer --kernels"):
+    with pytest.raises(ConfigError, match="does not hold 2 forms of the medium preset's step.*pass fewer --kernels"):
         tune.time_in_step(SimpleNamespace(preset="medium"), chosen, rounds=2)
     assert fa._launch_config is rule
 

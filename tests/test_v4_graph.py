@@ -133,16 +133,11 @@ def test_compare_step_forms_starts_each_round_with_the_next_form(monkeypatch):
 
 def test_compare_step_forms_captures_each_form_with_its_own_launches(monkeypatch):
     """The launch setting is process-wide and a graph keeps what it captured: each form's step must be warmed up
-    and captured with its own setting, whatever the form built last set."""
+    and captured with its own setting, whatever the form built last set; afterwards the setting is the one before."""
     from types import SimpleNamespace
     from version4_triton_ultra.compare_step_forms import time_forms
-    from version4_triton_ultra import profile_graphed_step
     from version4_triton_ultra.kernels import programmatic_launch
-
-    def build(args):   # as build_step does: its form's launch setting, process-wide, left set after the build
-        profile_graphed_step.use_launches_of(args)
-        return args.form, None, None
-    fake_steps(monkeypatch, build)
+    fake_steps(monkeypatch)
     captured = {}
 
     def first_call_captures(step, inputs, targets, steps):
@@ -151,11 +146,14 @@ def test_compare_step_forms_captures_each_form_with_its_own_launches(monkeypatch
     monkeypatch.setattr("version4_triton_ultra.profile_graphed_step.median_step_ms", first_call_captures)
     forms = {"as-is": SimpleNamespace(form="as-is", programmatic_launch=True),
              "no-programmatic-launch": SimpleNamespace(form="no-programmatic-launch", programmatic_launch=False)}
+    programmatic_launch.set_programmatic_launch(True)
     try:
         time_forms(forms, rounds=1, steps=5)
+        after = programmatic_launch.programmatic_launch_enabled()
     finally:
         programmatic_launch.set_programmatic_launch(True)
     assert captured == {"as-is": True, "no-programmatic-launch": False}
+    assert after, "the setting from before the forms, not the last form's"
 
 
 def test_compare_step_forms_out_of_memory_is_one_line(monkeypatch):
@@ -167,7 +165,8 @@ def test_compare_step_forms_out_of_memory_is_one_line(monkeypatch):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     fake_steps(monkeypatch, build)
     with pytest.raises(ConfigError, match="does not hold 2 forms") as error:
-        time_forms({"a": SimpleNamespace(), "b": SimpleNamespace()}, rounds=1, steps=5)
+        time_forms({"a": SimpleNamespace(programmatic_launch=True), "b": SimpleNamespace(programmatic_launch=True)},
+                   rounds=1, steps=5)
     assert "\n" not in str(error.value)
 
 

@@ -3,6 +3,7 @@ one process and times them in turns (compare_step_forms.py and the kernel tuners
 need a GPU (tests/test_v4_graph.py runs compare_step_forms.py there); here the builds and timings are replaced by
 recorders, to check what holds while each form is captured, the order of the turns and the table."""
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -79,3 +80,41 @@ def test_the_table_compares_each_round_with_the_first_form_in_that_round():
     assert rows[1]["median_step_ms"] == 10.2 and rows[1]["rounds_ms"] == [10.2, 10.3, 10.05]
     assert rows[1]["relative_to_first"] == pytest.approx(10.2 / 10.1)
     assert rows[1]["rounds_faster_than_first"] == 2
+
+
+def test_the_norm_tuner_captures_each_step_under_its_launch_only(monkeypatch):
+    """tune_norm_backward.time_in_step: the step under the rules first (the table's reference), then under each
+    launch, the override in force from the build through the capture and gone before the timed replays, and gone
+    too after a step that does not fit, which is one line."""
+    from version4_triton_ultra import tune_norm_backward as tune
+    from version4_triton_ultra.kernels import add_rmsnorm as norm
+    rule, seen = norm._backward_tile, []
+    tile = lambda: "rule" if norm._backward_tile is rule else norm._backward_tile(1024)  # noqa: E731
+
+    def build(args):
+        seen.append(("build", args.preset, args.use_amp, tile()))
+        return f"step {sum(call[0] == 'build' for call in seen)}", None, None
+
+    def median(step, inputs, targets, steps):
+        seen.append(("capture" if steps == 1 else "timed", step, tile()))
+        return {"step 1": 10.0, "step 2": 9.5}[step]
+
+    monkeypatch.setattr(profile_graphed_step, "parse_args",   # its flags as profile_graphed_step.py would read them
+                        lambda argv: SimpleNamespace(preset=argv[argv.index("--preset") + 1],
+                                                     use_amp="--use-amp" in argv))
+    monkeypatch.setattr(profile_graphed_step, "build_step", build)
+    monkeypatch.setattr(profile_graphed_step, "median_step_ms", median)
+    launch = (4, 8, 2, True, None)
+    rows = tune.time_in_step("medium", [None, launch], block_d=1024, rounds=2)
+    assert seen[:4] == [("build", "medium", True, "rule"), ("capture", "step 1", "rule"),
+                        ("build", "medium", True, (4, 8)), ("capture", "step 2", (4, 8))]
+    assert {call[2] for call in seen[4:]} == {"rule"} and len(seen) == 8
+    assert [row["form"] for row in rows] == ["the rules", tune.label(launch)]
+    assert rows[1]["relative_to_first"] == pytest.approx(0.95) and rows[1]["rounds_faster_than_first"] == 2
+
+    def no_memory(args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(profile_graphed_step, "build_step", no_memory)
+    with pytest.raises(ConfigError, match="2 forms of the medium preset's step.*without --in-step"):
+        tune.time_in_step("medium", [launch, None], block_d=1024)
+    assert norm._backward_tile is rule

@@ -77,11 +77,11 @@ def parse_args(argv):
 
 
 def time_forms(form_args: dict, rounds: int, steps: int) -> dict:
-    """{form: [median step ms of each round]}: every form built, warmed up and captured first (each under its own
-    flags: build_step sets the process-wide launch rule of its args before the capture), then timed in turns."""
-    from version4_triton_ultra import step_forms
-    captured = step_forms.capture_forms({form: (args, None) for form, args in form_args.items()},
-                                        fewer="compare fewer --forms per run")
+    """{form: [median step ms of each round]}: every form built, warmed up and captured first, each while its own
+    process-wide launch setting holds (profile_graphed_step.launches_of), then timed in turns."""
+    from version4_triton_ultra import profile_graphed_step, step_forms
+    captured = step_forms.capture_forms({form: (args, profile_graphed_step.launches_of(args))
+                                         for form, args in form_args.items()}, fewer="compare fewer --forms per run")
     return step_forms.time_in_turns(captured, rounds, steps)
 
 

@@ -35,6 +35,7 @@ With the weight-gradient stream (the default) kernels of the two streams overlap
 alone: per-kernel times then add up to more than the step. `--no-weight-grad-stream` gives the cleaner split.
 Needs a GPU (CUDA or ROCm): a graph replay does not exist on the CPU.
 """
+import contextlib
 import re
 import statistics
 import sys
@@ -198,9 +199,22 @@ def build_step(args):
 
 def use_launches_of(args) -> None:
     """Launch the Triton kernels as args say (--no-programmatic-launch). A process-wide setting that a CUDA graph
-    records as it captures: compare_step_forms.py sets it again before capturing each form's step."""
+    records as it captures: build_step sets it, and compare_step_forms.py holds each form's (launches_of) until
+    that form's step is captured."""
     from version4_triton_ultra.kernels.programmatic_launch import set_programmatic_launch
     set_programmatic_launch(args.programmatic_launch)
+
+
+@contextlib.contextmanager
+def launches_of(args):
+    """use_launches_of(args) inside the block; the setting from before it again afterwards."""
+    from version4_triton_ultra.kernels.programmatic_launch import programmatic_launch_enabled, set_programmatic_launch
+    before = programmatic_launch_enabled()
+    use_launches_of(args)
+    try:
+        yield
+    finally:
+        set_programmatic_launch(before)
 
 
 def median_step_ms(step, inputs, targets, steps: int) -> float:

@@ -222,25 +222,33 @@ def row_tiles(row: dict) -> tuple:
     return row["BLOCK_M"], row["BLOCK_N"], row["num_warps"], row["num_stages"]
 
 
+@contextlib.contextmanager
+def launch_rule(launch_config):
+    """fa._launch_config is `launch_config` inside the block, and the module's own again however the block ends."""
+    original = fa._launch_config
+    fa._launch_config = launch_config
+    try:
+        yield
+    finally:
+        fa._launch_config = original
+
+
 def tile_rows(kernel, args, problems: Problems, others) -> list[dict]:
     """One row per tiles tried for `kernel` (its current tiles first): microseconds per pass, error, verdict."""
-    original = fa._launch_config
-    current = original(args.head_dim, DTYPES[args.dtype], args.seq_len, kernel)
+    current = fa._launch_config(args.head_dim, DTYPES[args.dtype], args.seq_len, kernel)
     current_tiles = (current["BLOCK_M"], current["BLOCK_N"], current["num_warps"], current["num_stages"])
     candidates = args.candidates or CANDIDATES[kernel]
     rows, graphs = [], {}
     for tiles in [current_tiles] + [t for t in candidates if t != current_tiles]:
         row = {"kernel": kernel, "tiles": label(tiles), "BLOCK_M": tiles[0], "BLOCK_N": tiles[1],
                "num_warps": tiles[2], "num_stages": tiles[3], "current": tiles == current_tiles}
-        fa._launch_config = with_tiles(kernel, tiles, others)
         try:
-            row["relative_error"] = pass_error(kernel, problems.checked, problems.reference)
-            row["check"] = "ok" if row["relative_error"] < problems.tolerance else "WRONG"
-            graphs[row["tiles"]] = pass_graph(kernel, problems.timed, problems.forward_output)
+            with launch_rule(with_tiles(kernel, tiles, others)):   # the graph keeps the launches it captures
+                row["relative_error"] = pass_error(kernel, problems.checked, problems.reference)
+                row["check"] = "ok" if row["relative_error"] < problems.tolerance else "WRONG"
+                graphs[row["tiles"]] = pass_graph(kernel, problems.timed, problems.forward_output)
         except Exception as why:   # noqa: BLE001 - a config this GPU cannot compile or run is not a candidate
             row["fails"] = why_unavailable(why)
-        finally:
-            fa._launch_config = original
         rows.append(row)
     times = rounds_in_turns({name: (lambda g=g: graph_ms(g)) for name, g in graphs.items()}, ROUNDS)
     for row in rows:
@@ -253,17 +261,6 @@ def fastest_right_candidates(rows: list[dict], count: int = STEP_CANDIDATES_PER_
     """The `count` fastest rows that are not the current tiles, ran, and passed the float64 check."""
     right = [row for row in rows if not row["current"] and row.get("check") == "ok" and "pass_us" in row]
     return sorted(right, key=lambda row: row["pass_us"])[:count]
-
-
-@contextlib.contextmanager
-def launch_rule(launch_config):
-    """fa._launch_config is `launch_config` inside the block, and the module's own again however the block ends."""
-    original = fa._launch_config
-    fa._launch_config = launch_config
-    try:
-        yield
-    finally:
-        fa._launch_config = original
 
 
 def time_in_step(step_args, chosen: list[dict], rounds: int) -> dict:
@@ -293,7 +290,7 @@ def print_tile_rows(rows: list[dict]) -> None:
 def print_step_rows(rows: list[dict], preset: str, rounds: int) -> None:
     print(f"version 4's step at the {preset} preset (bfloat16): median of {rounds} interleaved rounds, each the "
           "median of 30 replays")
-    for row in rows:
+    for row in rows:   # the first form is always the current tiles (time_in_step)
         print(f"{row['form']:<24} {row['median_step_ms']:8.3f} ms {row['relative_to_first']:7.4f}x  faster than "
               f"current in {row['rounds_faster_than_first']} of {rounds} rounds")
 

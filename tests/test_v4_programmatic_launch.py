@@ -21,7 +21,7 @@ from version4_triton_ultra.kernels import programmatic_launch as pl
 REPO = Path(__file__).resolve().parent.parent
 KERNEL_DIR = REPO / "version4_triton_ultra" / "kernels"
 # Every file of kernels/ but the helpers that kernels call (no kernels, no launches of their own).
-HELPER_FILES = ("__init__.py", "programmatic_launch.py", "whole_tiles.py")
+HELPER_FILES = ("__init__.py", "programmatic_launch.py", "sixteen_bit_gradients.py", "whole_tiles.py")
 KERNEL_FILES = sorted(path for path in KERNEL_DIR.glob("*.py") if path.name not in HELPER_FILES)
 
 

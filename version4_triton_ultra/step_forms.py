@@ -33,8 +33,8 @@ def capture_forms(forms: dict, fewer: str) -> dict:
                 profile_graphed_step.median_step_ms(step, inputs, targets, steps=1)
         except torch.cuda.OutOfMemoryError:
             preset = getattr(step_args, "preset", None)
-            step = f"the {preset} preset's step" if preset else "this step"
-            raise ConfigError(f"the GPU's memory does not hold {len(forms)} forms of {step} at once (each keeps "
+            which = f"the {preset} preset's step" if preset else "this step"
+            raise ConfigError(f"the GPU's memory does not hold {len(forms)} forms of {which} at once (each keeps "
                               f"its model, optimizer state and graph); {fewer}") from None
         captured[name] = (step, inputs, targets)
     return captured

@@ -9,18 +9,14 @@ import math
 
 import torch
 
+from version1_pytorch_baseline.tiny_llama_v1 import rotate_half
+from version3_triton.kernels.rope import rope_tables
 from version4_triton_ultra.kernels import flash_attention as fa
 
 
-def rope_tables(seq_len, head_dim, device):
-    inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq).repeat(1, 2)
-    return angles.cos().float(), angles.sin().float()
-
-
 def rotate(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    """x rotated by RoPE's angles (cos, sin as rope_tables gives them; -sin rotates back), in x's dtype."""
+    return x * cos + rotate_half(x) * sin
 
 
 class Problem:
@@ -30,7 +26,7 @@ class Problem:
         self.heads, self.dim = heads, heads * head_dim
         self.qkv = torch.randn(batch, seq_len, 3 * self.dim, device=device).to(dtype)
         self.grad_out = torch.randn(batch, seq_len, self.dim, device=device).to(dtype)
-        self.cos, self.sin = rope_tables(seq_len, head_dim, device)
+        self.cos, self.sin = rope_tables(seq_len, head_dim, device=device)
 
     def forward(self):
         return fa.packed_attention_forward(self.qkv, self.heads)

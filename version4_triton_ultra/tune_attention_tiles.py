@@ -218,7 +218,7 @@ def label(tiles) -> str:
 
 
 def row_tiles(row: dict) -> tuple:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a row of tile_rows."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a row of tile_rows, or of a launch _launch_config gives."""
     return row["BLOCK_M"], row["BLOCK_N"], row["num_warps"], row["num_stages"]
 
 
@@ -235,8 +235,7 @@ def launch_rule(launch_config):
 
 def tile_rows(kernel, args, problems: Problems, others) -> list[dict]:
     """One row per tiles tried for `kernel` (its current tiles first): microseconds per pass, error, verdict."""
-    current = fa._launch_config(args.head_dim, DTYPES[args.dtype], args.seq_len, kernel)
-    current_tiles = (current["BLOCK_M"], current["BLOCK_N"], current["num_warps"], current["num_stages"])
+    current_tiles = row_tiles(fa._launch_config(args.head_dim, DTYPES[args.dtype], args.seq_len, kernel))
     candidates = args.candidates or CANDIDATES[kernel]
     rows, graphs = [], {}
     for tiles in [current_tiles] + [t for t in candidates if t != current_tiles]:
